@@ -1,0 +1,3 @@
+from anima_ui.cli import main
+
+raise SystemExit(main())

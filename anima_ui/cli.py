@@ -1,0 +1,43 @@
+"""The `anima-ui` command. Each subcommand lives in `anima_ui/commands/<name>.py` and exposes
+`add_arguments(parser)` and `run(args) -> int`; modules are imported only when their command runs,
+so light commands (spectrum-plan) start without torch."""
+
+import argparse
+import importlib
+import sys
+
+from anima_ui.errors import UserError
+
+# command name -> (module under anima_ui.commands, one-line help)
+COMMANDS = {
+    "random-model": ("random_model", "write a random-weight model folder in the official layout"),
+    "generate": ("generate", "text -> image, end to end"),
+    "spectrum-plan": ("spectrum_plan", "print which steps Spectrum computes and which it forecasts"),
+}
+
+
+def build_parser(chosen: str | None) -> argparse.ArgumentParser:
+    """All subcommands are listed; only the chosen one's module is imported (some pull in torch)."""
+    parser = argparse.ArgumentParser(prog="anima-ui", description="Anima on the RK3588 NPU: model tools, generation and the app.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text)
+        sub_parser.set_defaults(_module=module)
+        if name == chosen:
+            importlib.import_module(f"anima_ui.commands.{module}").add_arguments(sub_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(chosen).parse_args(argv)
+    module = importlib.import_module(f"anima_ui.commands.{args._module}")
+    try:
+        return module.run(args) or 0
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
