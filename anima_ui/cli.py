@@ -12,7 +12,12 @@ from anima_ui.errors import UserError
 COMMANDS = {
     "random-model": ("random_model", "write a random-weight model folder in the official layout"),
     "generate": ("generate", "text -> image, end to end"),
+    "export": ("export", "export the 84 DiT branch graphs to ONNX for one resolution"),
+    "convert-rknn": ("convert_rknn", "convert exported ONNX graphs to RKNN (needs .venv-rknn)"),
+    "verify": ("verify", "compare the split runtime with the reference forward"),
+    "bench": ("bench", "benchmarks that print tables: runtime, spectrum, vae"),
     "spectrum-plan": ("spectrum_plan", "print which steps Spectrum computes and which it forecasts"),
+    "serve": ("serve", "start the Gradio app"),
 }
 
 
