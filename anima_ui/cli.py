@@ -21,10 +21,17 @@ COMMANDS = {
 }
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints the whole usage block on a bad flag; a one-line error that names the flag reads better."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser(chosen: str | None) -> argparse.ArgumentParser:
     """All subcommands are listed; only the chosen one's module is imported (some pull in torch)."""
-    parser = argparse.ArgumentParser(prog="anima-ui", description="Anima on the RK3588 NPU: model tools, generation and the app.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineErrorParser(prog="anima-ui", description="Anima on the RK3588 NPU: model tools, generation and the app.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     for name, (module, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text)
         sub_parser.set_defaults(_module=module)
