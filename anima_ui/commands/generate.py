@@ -1,0 +1,99 @@
+"""`anima-ui generate`: text → image end to end. Progress goes to stderr; the last line on stdout is one JSON object."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from anima_ui.errors import UserError
+from anima_ui.pipeline import BACKENDS, GenerationRequest, Pipeline, PhaseEvent, ResultEvent, StepEvent
+
+SPECTRUM_FLAGS = {"w": float, "m": int, "lam": float, "window": int, "flex": float, "warmup": int, "stop": float}
+
+
+def add_arguments(parser):
+    parser.add_argument("--models", required=True, help="model folder in the official layout (models/README.md)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--prompt-file", help="read the prompt from a UTF-8 text file")
+    parser.add_argument("--negative", default="", help="negative prompt (default: empty)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cfg", type=float, default=4.0)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--backend", default="torch", help=f"one of {', '.join(BACKENDS)}")
+    parser.add_argument("--no-prefetch", action="store_true", help="serial branch lifecycle, as the blog ran it")
+    parser.add_argument("--spectrum", action="store_true", help="forecast about half the steps (sd.cpp's Spectrum)")
+    for name, kind in SPECTRUM_FLAGS.items():
+        parser.add_argument(f"--spectrum-{name}", type=kind, default=None, help=f"Spectrum parameter {name}")
+    parser.add_argument("--out", required=True, help="output PNG path")
+    parser.add_argument("--save-latent", help="also save the final latent as float32 .npy, shape (1, 16, H/8, W/8)")
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    if out.suffix.lower() != ".png":
+        raise UserError(f"--out must end in .png, got {args.out!r}")
+    if not out.parent.is_dir():
+        raise UserError(f"the output folder {out.parent} does not exist")
+    request = GenerationRequest(
+        prompt=_prompt(args),
+        negative=args.negative,
+        seed=args.seed,
+        steps=args.steps,
+        cfg=args.cfg,
+        width=args.width,
+        height=args.height,
+        spectrum=args.spectrum,
+        spectrum_params={k: getattr(args, f"spectrum_{k}") for k in SPECTRUM_FLAGS if getattr(args, f"spectrum_{k}") is not None},
+    )
+    request.validate()  # fail on bad numbers before spending seconds on loading the model
+    runtime_options = {"prefetch": False} if args.no_prefetch else {}
+    pipeline = Pipeline.load(args.models, backend=args.backend, **runtime_options)
+
+    for event in pipeline.generate(request):
+        if isinstance(event, PhaseEvent):
+            print(f"[{event.phase}]", file=sys.stderr, flush=True)
+        elif isinstance(event, StepEvent):
+            kind = "computed" if event.computed else "forecast"
+            print(f"step {event.step}/{event.total} {kind} {event.seconds:.2f}s", file=sys.stderr, flush=True)
+        elif isinstance(event, ResultEvent):
+            result = event
+    if result.summary.get("warning"):
+        print(f"warning: {result.summary['warning']}", file=sys.stderr)
+    _save_png(result.image, out, request, result.summary)
+    if args.save_latent:
+        _save_atomically(Path(args.save_latent), lambda f: np.save(f, result.latent.astype(np.float32)))
+    print(json.dumps(result.summary))
+    return 0
+
+
+def _prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    from anima_ui.text.prompt_file import read_prompt_file
+
+    return read_prompt_file(args.prompt_file)
+
+
+def _save_png(image, path: Path, request, summary) -> None:
+    from PIL.PngImagePlugin import PngInfo
+
+    from anima_ui.infotext import format_infotext
+
+    info = PngInfo()
+    info.add_text("parameters", format_infotext(request, summary))
+    _save_atomically(path, lambda f: image.save(f, format="PNG", pnginfo=info))
+
+
+def _save_atomically(path: Path, write) -> None:
+    """Write to a temp file beside the target, then rename: an interrupted run leaves no half-written file."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)

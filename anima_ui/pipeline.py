@@ -1,0 +1,270 @@
+"""One generation as an iterator of events: text → context → denoise (CFG, optional Spectrum) → decode.
+
+The pipeline knows nothing of Gradio. The job engine (`anima_ui/jobs.py`) and `anima-ui generate` both consume
+`Pipeline.generate`, which yields a `PhaseEvent` when a phase starts, a `StepEvent` after every sampler step (computed
+or forecast, with the step's x0 for previews) and one `ResultEvent` at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from anima_ui.errors import Cancelled, UserError
+
+BACKENDS = ("torch", "onnx", "sim", "rknn")
+MIN_SIDE, MAX_SIDE = 64, 2048
+MAX_STEPS = 200
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    negative: str = ""
+    seed: int = 0
+    steps: int = 20
+    cfg: float = 4.0
+    width: int = 512
+    height: int = 512
+    spectrum: bool = False
+    spectrum_params: dict = field(default_factory=dict)
+    decode: bool = True
+
+    def validate(self) -> None:
+        if not isinstance(self.prompt, str) or not isinstance(self.negative, str):
+            raise UserError("the prompt and the negative prompt must be text")
+        if not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_STEPS:
+            raise UserError(f"steps must be a whole number from 1 to {MAX_STEPS}, got {self.steps!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise UserError(f"seed must be a whole number from 0 to 2^63-1, got {self.seed!r}")
+        if not np.isfinite(self.cfg) or not 0.0 <= self.cfg <= 30.0:
+            raise UserError(f"CFG must be between 0 and 30, got {self.cfg!r}")
+        for name, side in (("width", self.width), ("height", self.height)):
+            if not isinstance(side, int) or side % 16 or not MIN_SIDE <= side <= MAX_SIDE:
+                raise UserError(
+                    f"{name} must be a multiple of 16 from {MIN_SIDE} to {MAX_SIDE} pixels, got {side!r}"
+                )
+
+    @property
+    def uses_uncond(self) -> bool:
+        """At CFG 1 the uncond pass cannot change x0 (ComfyUI skips it too)."""
+        return self.cfg != 1.0
+
+
+@dataclass
+class PhaseEvent:
+    phase: str  # "text" | "denoise" | "decode"
+
+
+@dataclass
+class StepEvent:
+    step: int  # 1-based
+    total: int
+    computed: bool  # False: Spectrum forecast this step's x0 without a model evaluation
+    sigma: float
+    x0: np.ndarray  # [1, 16, h, w], model space
+    seconds: float
+    timings: dict
+
+
+@dataclass
+class ResultEvent:
+    image: object  # PIL.Image.Image, or None when the request asked for no decode
+    latent: np.ndarray  # [1, 16, h, w], model space
+    summary: dict
+
+
+Event = PhaseEvent | StepEvent | ResultEvent
+
+
+class Pipeline:
+    """The loaded model: DiT host weights, the text encoder, the branch runtime choice and the VAE path."""
+
+    def __init__(self, paths, config, weights, text_encoder, backend: str, runtime_options: dict):
+        self.paths = paths
+        self.config = config
+        self.weights = weights
+        self.text_encoder = text_encoder
+        self.backend = backend
+        self.runtime_options = runtime_options
+        self.runtime = None  # the branch runtime of the running generation (the UI's status panel reads it)
+        self._torch_branches = None
+
+    @classmethod
+    def load(cls, models_dir, backend: str = "torch", **runtime_options) -> "Pipeline":
+        if backend not in BACKENDS:
+            raise UserError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        from anima_ui.model.checkpoint import load_dit, split_adapter
+        from anima_ui.modelfiles import ModelPaths
+        from anima_ui.text.encoder import TextEncoder
+
+        paths = ModelPaths.find(models_dir)
+        config, state = load_dit(paths.dit)
+        text_encoder = TextEncoder.load(paths, split_adapter(state))
+        return cls(paths, config, state, text_encoder, backend, runtime_options)
+
+    # -- one generation ---------------------------------------------------------------------------------------------
+    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
+        request.validate()
+        cancel = cancel or threading.Event()
+        started = time.perf_counter()
+        seconds = {}
+
+        yield PhaseEvent("text")
+        t0 = time.perf_counter()
+        contexts = [self.text_encoder.encode(request.prompt)]
+        if request.uses_uncond:
+            contexts.append(self.text_encoder.encode(request.negative))
+        kv, rope = self._prepare_conditioning(contexts, request)
+        seconds["text"] = time.perf_counter() - t0
+        _check(cancel)
+
+        yield PhaseEvent("denoise")
+        t0 = time.perf_counter()
+        latent, steps, model_evals = yield from self._denoise(request, kv, rope, cancel)
+        seconds["denoise"] = time.perf_counter() - t0
+
+        image, decoder, warning = None, None, None
+        if request.decode:
+            _check(cancel)
+            yield PhaseEvent("decode")
+            t0 = time.perf_counter()
+            image, decoder, warning = self._decode(latent)
+            seconds["decode"] = time.perf_counter() - t0
+        seconds["total"] = time.perf_counter() - started
+
+        passes_per_eval = len(contexts)
+        summary = {
+            "width": request.width,
+            "height": request.height,
+            "steps": request.steps,
+            "cfg": request.cfg,
+            "seed": request.seed,
+            "spectrum": request.spectrum,
+            "backend": self.backend,
+            "model_evals": model_evals,
+            "transformer_passes": passes_per_eval * model_evals,
+            "decoder": decoder,
+            "warning": warning,
+            "seconds": {k: round(v, 3) for k, v in seconds.items()},
+            "per_step": steps,
+        }
+        yield ResultEvent(image=image, latent=latent, summary=summary)
+
+    def _prepare_conditioning(self, contexts, request):
+        from anima_ui.model.forward import prepare_kv, prepare_rope
+
+        context = np.concatenate(contexts, axis=0)
+        kv = prepare_kv(self.weights, context)
+        rope = prepare_rope(self.config, request.height // 8, request.width // 8)
+        return kv, rope
+
+    def _denoise(self, request, kv, rope, cancel):
+        """Generator: yields StepEvents, returns (final latent, per-step records, model evaluations)."""
+        from anima_ui.model.forward import dit_forward
+        from anima_ui.sampling.cfg import cfg_combine
+        from anima_ui.sampling.euler import euler_steps
+        from anima_ui.sampling.noise import initial_noise
+        from anima_ui.sampling.schedule import simple_sigmas
+        from anima_ui.sampling.spectrum import Spectrum
+
+        batch = 2 if request.uses_uncond else 1
+        sigmas = simple_sigmas(request.steps)
+        x = initial_noise(request.seed, request.height, request.width)
+        spectrum = Spectrum(request.steps, **request.spectrum_params) if request.spectrum else None
+        run_branch = self._open_runtime(request, cancel)
+
+        def predict_x0(x_t, sigma):
+            xs = np.repeat(x_t, batch, axis=0)
+            velocity = dit_forward(self.weights, run_branch, xs, np.full(batch, sigma, np.float32), kv, rope)
+            x0 = xs - sigma * velocity
+            return cfg_combine(x0[:1], x0[1:], request.cfg) if batch == 2 else x0
+
+        records, model_evals = [], 0
+        try:
+            t_step = time.perf_counter()
+            before = _runtime_timings(self.runtime)
+            for info in euler_steps(predict_x0, x, sigmas, spectrum):
+                _check(cancel)
+                step_seconds = time.perf_counter() - t_step
+                after = _runtime_timings(self.runtime)
+                timings = {k: round(after[k] - before.get(k, 0.0), 4) for k in after} if info.computed else {}
+                model_evals += int(info.computed)
+                record = {"step": info.index0 + 1, "computed": info.computed, "seconds": round(step_seconds, 3), **timings}
+                records.append(record)
+                yield StepEvent(
+                    step=info.index0 + 1,
+                    total=request.steps,
+                    computed=info.computed,
+                    sigma=float(info.sigma),
+                    x0=info.x0,
+                    seconds=step_seconds,
+                    timings=timings,
+                )
+                x = info.x
+                t_step, before = time.perf_counter(), after
+        finally:
+            self._close_runtime()
+        if not np.all(np.isfinite(x)):
+            raise UserError("the denoised latent contains NaN or Inf; nothing was saved (try another seed or fewer steps)")
+        return x, records, model_evals
+
+    def _open_runtime(self, request, cancel):
+        """The run_branch callable for dit_forward: torch modules directly, or a branch runtime over exported graphs."""
+        if self.backend == "torch":
+            from anima_ui.model.forward import TorchBranches
+
+            if self._torch_branches is None:
+                self._torch_branches = TorchBranches(self.weights, self.config)
+
+            def run_branch(block, kind, inputs):
+                _check(cancel)
+                return self._torch_branches(block, kind, inputs)
+
+            self.runtime = None
+            return run_branch
+        from anima_ui.runtime import open_runtime
+
+        self.runtime = open_runtime(
+            self.backend, self._graphs_dir(request), cancel=cancel, **self.runtime_options
+        )
+        return self.runtime
+
+    def _graphs_dir(self, request) -> Path:
+        if self.backend == "rknn":
+            graphs = self.paths.rknn_dir(request.width, request.height)
+            if not (graphs / "manifest.json").exists():
+                raise UserError(
+                    f"no RKNN graphs for {request.width}x{request.height} in {graphs}: run `anima-ui export` then "
+                    "`anima-ui convert-rknn` for this size (README, 'On the board')"
+                )
+            return graphs
+        graphs = self.paths.exported_dir(request.width, request.height)
+        if not (graphs / "manifest.json").exists():
+            from anima_ui.convert.export import export_graphs
+
+            export_graphs(self.paths, self.config, self.weights, request.width, request.height, graphs)
+        return graphs
+
+    def _close_runtime(self):
+        if self.runtime is not None:
+            self.runtime.close()
+
+    def _decode(self, latent):
+        from anima_ui.vae.decode import decode_latent
+
+        return decode_latent(latent, self.paths.vae)
+
+
+def _check(cancel: threading.Event) -> None:
+    if cancel.is_set():
+        raise Cancelled("cancelled")
+
+
+def _runtime_timings(runtime) -> dict:
+    return dict(runtime.timings) if runtime is not None else {}
