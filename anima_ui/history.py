@@ -1,0 +1,123 @@
+"""Finished images on disk: `<outputs>/<name>.png` (with the A1111 `parameters` chunk) and `<name>.json` (settings and
+measured summary). Both are written to a temp file and renamed; the JSON is renamed last and is the commit marker, so a
+crash leaves either a complete item or nothing that is listed."""
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+from anima_ui.errors import UserError
+from anima_ui.infotext import format_infotext, format_seconds, settings_from_infotext
+
+# The settings that make two generations the same picture (A/B twins differ only in `spectrum`).
+TWIN_KEYS = ("prompt", "negative", "seed", "steps", "cfg", "width", "height")
+SETTING_KEYS = TWIN_KEYS + ("spectrum", "spectrum_params")
+
+
+def request_settings(request) -> dict:
+    """The JSON-able settings of a GenerationRequest, as stored in sidecars and restored into the form."""
+    return {k: getattr(request, k) for k in SETTING_KEYS}
+
+
+@dataclass(frozen=True)
+class HistoryItem:
+    name: str
+    png_path: Path
+    record: dict
+
+    @property
+    def settings(self) -> dict:
+        return self.record["settings"]
+
+    @property
+    def summary(self) -> dict:
+        return self.record["summary"]
+
+    @property
+    def caption(self) -> str:
+        spectrum = "Spectrum on" if self.settings["spectrum"] else "Spectrum off"
+        seconds = self.summary.get("seconds", {}).get("denoise")
+        timing = f" · {format_seconds(seconds)}" if seconds is not None else ""
+        return f"seed {self.settings['seed']} · {spectrum}{timing}"
+
+
+class History:
+    def __init__(self, outputs_dir: Path):
+        self.outputs_dir = Path(outputs_dir)
+        self.outputs_dir.mkdir(parents=True, exist_ok=True)
+
+    def save(self, image: Image.Image, request, summary: dict) -> HistoryItem:
+        """request: the GenerationRequest that made `image`; summary: its ResultEvent summary (+ "model")."""
+        settings = request_settings(request)
+        created = time.time()
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(created))
+        spectrum = "spectrum" if settings["spectrum"] else "full"
+        name = f"{stamp}-{settings['seed']}-{spectrum}-{uuid.uuid4().hex[:6]}"
+        infotext = format_infotext(request, summary)
+        png_path = self.outputs_dir / f"{name}.png"
+        record = {"name": name, "created": created, "settings": settings, "summary": summary, "infotext": infotext}
+
+        png_info = PngInfo()
+        png_info.add_text("parameters", infotext)
+        write_atomically(png_path, lambda f: image.save(f, format="PNG", pnginfo=png_info))
+        write_atomically(self.outputs_dir / f"{name}.json",
+                         lambda f: f.write(json.dumps(record, indent=1, ensure_ascii=False).encode()))
+        return HistoryItem(name, png_path, record)
+
+    def items(self) -> list[HistoryItem]:
+        """Newest first. Sidecars without their PNG (deleted by hand) are skipped."""
+        found = []
+        for sidecar in self.outputs_dir.glob("*.json"):
+            png_path = sidecar.with_suffix(".png")
+            if not png_path.exists():
+                continue
+            record = json.loads(sidecar.read_text())
+            found.append(HistoryItem(sidecar.stem, png_path, record))
+        return sorted(found, key=lambda item: item.record["created"], reverse=True)
+
+    def get(self, name: str) -> HistoryItem | None:
+        sidecar = self.outputs_dir / f"{Path(name).name}.json"
+        png_path = sidecar.with_suffix(".png")
+        if not (sidecar.exists() and png_path.exists()):
+            return None
+        return HistoryItem(sidecar.stem, png_path, json.loads(sidecar.read_text()))
+
+    def find_twin(self, settings: dict, spectrum: bool, model: str | None) -> HistoryItem | None:
+        """A finished image of the same prompt, seed and settings with Spectrum `spectrum`, from the same model."""
+        for item in self.items():
+            same = all(item.settings.get(k) == settings.get(k) for k in TWIN_KEYS)
+            if same and item.settings["spectrum"] == spectrum and item.summary.get("model") == model:
+                if not spectrum or item.settings.get("spectrum_params") == settings.get("spectrum_params"):
+                    return item
+        return None
+
+
+def write_atomically(path: Path, write) -> None:
+    """write(binary_file) into a temp file next to `path`, then rename it over `path`."""
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(temp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def settings_from_png(path) -> dict:
+    """The generation settings stored in a PNG's `parameters` chunk (ours or A1111's)."""
+    try:
+        with Image.open(path) as image:
+            text = image.info.get("parameters")
+    except (OSError, SyntaxError) as exc:
+        raise UserError(f"{Path(path).name} is not a readable image ({exc}); drop a PNG saved by anima-ui") from exc
+    if not text:
+        raise UserError(f"{Path(path).name} has no generation parameters; drop a PNG saved by anima-ui or A1111")
+    return settings_from_infotext(str(text))

@@ -1,0 +1,135 @@
+"""The AUTOMATIC1111 `parameters` text ("infotext") that goes into every saved PNG.
+
+Format and parser follow AUTOMATIC1111/stable-diffusion-webui `modules/processing.py create_infotext()` and
+`modules/infotext_utils.py parse_generation_parameters()` (see docs in /work/shared/reference/gradio_ui.md §3.3),
+so A1111, Forge, SD.Next and civitai-style readers load our images, and we load theirs.
+"""
+
+import json
+import re
+
+from anima_ui.errors import UserError
+
+VERSION = "anima-ui 0.1.0"
+
+# A1111's own regexes, unchanged: a `key: value` pair where value may be a JSON-quoted string.
+PARAM_RE = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
+SIZE_RE = re.compile(r"^(\d+)x(\d+)$")
+
+
+def quote(value) -> str:
+    """A1111 `quote`: values containing a comma, newline or colon become a JSON string."""
+    text = str(value)
+    if "," not in text and "\n" not in text and ":" not in text:
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def unquote(text: str) -> str:
+    if len(text) >= 2 and text[0] == '"' and text[-1] == '"':
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+    return text
+
+
+def join_infotext(prompt: str, negative: str, params: dict) -> str:
+    """`params` is ordered; keys whose value is None are skipped, like A1111."""
+    negative_text = f"\nNegative prompt: {negative}" if negative else ""
+    params_text = ", ".join(k if k == v else f"{k}: {quote(v)}" for k, v in params.items() if v is not None)
+    return f"{prompt}{negative_text}\n{params_text}".strip()
+
+
+def parse_infotext(text: str) -> tuple[str, str, dict]:
+    """A1111's parser: -> (prompt, negative prompt, params). `Size: WxH` becomes `Size-1` (W) and `Size-2` (H)."""
+    *lines, last_line = text.strip().split("\n")
+    if len(PARAM_RE.findall(last_line)) < 3:
+        lines.append(last_line)
+        last_line = ""
+    prompt_lines, negative_lines = [], []
+    in_negative = False
+    for line in lines:
+        line = line.strip()
+        if line.startswith("Negative prompt:"):
+            in_negative = True
+            line = line[len("Negative prompt:"):].strip()
+        (negative_lines if in_negative else prompt_lines).append(line)
+    params = {}
+    for key, value in PARAM_RE.findall(last_line):
+        value = unquote(value)
+        size = SIZE_RE.match(value)
+        if size:
+            params[f"{key}-1"], params[f"{key}-2"] = size.group(1), size.group(2)
+        else:
+            params[key] = value
+    return "\n".join(prompt_lines), "\n".join(negative_lines), params
+
+
+def spectrum_config_text(spectrum_params: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(spectrum_params.items()))
+
+
+def parse_spectrum_config(text: str) -> dict:
+    params = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        params[key.strip()] = float(value) if "." in value else int(value)
+    return params
+
+
+def format_infotext(request, summary: dict) -> str:
+    """request: a GenerationRequest (or anything with its fields); summary: the pipeline's ResultEvent summary,
+    optionally with "model" (the diffusion model file's stem) added by the caller."""
+    seconds = summary.get("seconds", {})
+    params = {
+        "Steps": request.steps,
+        "Sampler": "Euler",
+        "Schedule type": "Simple",
+        "CFG scale": request.cfg,
+        "Seed": request.seed,
+        "Size": f"{request.width}x{request.height}",
+        "Model": summary.get("model"),
+        "Spectrum": "on" if request.spectrum else "off",
+        "Spectrum config": spectrum_config_text(request.spectrum_params) if request.spectrum and request.spectrum_params else None,
+        "Model evaluations": summary.get("model_evals"),
+        "Backend": summary.get("backend"),
+        "Denoise time": format_seconds(seconds["denoise"]) if "denoise" in seconds else None,
+        "Version": VERSION,
+    }
+    return join_infotext(request.prompt, request.negative, params)
+
+
+def settings_from_infotext(text: str) -> dict:
+    """The form settings an infotext describes; UserError if it has no Seed/Steps/Size (not a generation)."""
+    prompt, negative, params = parse_infotext(text)
+    missing = [k for k in ("Steps", "Seed", "Size-1", "Size-2") if k not in params]
+    if missing:
+        raise UserError(f"the image's parameters text lacks {', '.join(missing)}; drop a PNG saved by anima-ui or A1111")
+    try:
+        settings = {
+            "prompt": prompt,
+            "negative": negative,
+            "seed": int(params["Seed"]),
+            "steps": int(params["Steps"]),
+            "cfg": float(params.get("CFG scale", 4.0)),
+            "width": int(params["Size-1"]),
+            "height": int(params["Size-2"]),
+            "spectrum": params.get("Spectrum", "off") == "on",
+        }
+        if "Spectrum config" in params:
+            settings["spectrum_params"] = parse_spectrum_config(params["Spectrum config"])
+    except ValueError as exc:
+        raise UserError(f"the image's parameters text has a malformed value ({exc}); it cannot be restored") from exc
+    return settings
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

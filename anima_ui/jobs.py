@@ -1,0 +1,281 @@
+"""The job engine: one worker thread owns the pipeline (the NPU) and runs jobs one at a time, in submission order.
+
+Gradio events never run a generation themselves. They submit a job, watch it and cancel it by id, so a phone that
+drops its connection only loses a watcher: the job goes on and a reloaded page re-attaches by the id it kept
+(Gradio 6.31 kills a generator event on disconnect, and its Stop frees the concurrency slot before the running step
+returns; see /work/shared/reference/gradio_ui.md §0, §1.5, §1.6).
+"""
+
+import logging
+import queue
+import shutil
+import statistics
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from anima_ui.errors import Cancelled, UserError
+from anima_ui.history import History, HistoryItem
+from anima_ui.pipeline import GenerationRequest, PhaseEvent, ResultEvent, StepEvent
+
+log = logging.getLogger(__name__)
+
+FINISHED = ("done", "cancelled", "error")
+KEEP_FINISHED_JOBS = 200  # finished jobs stay watchable (re-attach after a long sleep) up to this many
+KEEP_PREVIEW_DIRS = 20  # preview JPEGs of older jobs are deleted
+
+
+@dataclass
+class Job:
+    id: str
+    request: GenerationRequest
+    preview_method: str = "projection"
+    state: str = "queued"  # queued | running | done | cancelled | error
+    phase: str | None = None  # text | denoise | decode while running
+    step: int = 0
+    computed: bool | None = None  # whether the last step was computed (False: forecast by Spectrum)
+    preview_path: Path | None = None
+    item: HistoryItem | None = None
+    error: str | None = None
+    submitted: float = field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    step_seconds: list = field(default_factory=list)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def total(self) -> int:
+        return self.request.steps
+
+    @property
+    def elapsed(self) -> float:
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.time()) - self.started
+
+
+class JobManager:
+    def __init__(self, load_pipeline, history: History, previews_dir: Path, preview_size: int = 384):
+        """load_pipeline() -> Pipeline is called in the worker thread, at start and again after a failed load,
+        so a missing model file shows up as a failed job, not as a dead app."""
+        self._load_pipeline = load_pipeline
+        self.pipeline = None
+        self.load_error: str | None = None
+        self.history = history
+        self.previews_dir = Path(previews_dir)
+        self.preview_size = preview_size
+        self._jobs: dict[str, Job] = {}
+        self._order: list[str] = []  # submission order, for queue positions
+        self._queue: queue.Queue = queue.Queue()
+        self._changed = threading.Condition()
+        self.version = 0  # bumped on every change any watcher may care about
+        # Instrumentation: the worker records every run so tests can prove no two generations overlapped.
+        self.active = 0
+        self.max_active = 0
+        self.run_log: list[tuple[str, float, float]] = []
+        self._worker = threading.Thread(target=self._work, name="anima-npu-worker", daemon=True)
+        self._worker.start()
+
+    # -- called from Gradio events (any thread) ----------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, preview_method: str = "projection") -> Job:
+        request.validate()
+        job = Job(id=uuid.uuid4().hex[:12], request=request, preview_method=preview_method)
+        with self._changed:
+            self._jobs[job.id] = job
+            self._order.append(job.id)
+            self._bump()
+        self._queue.put(job)
+        return job
+
+    def get(self, job_id) -> Job | None:
+        return self._jobs.get(job_id) if isinstance(job_id, str) else None
+
+    def cancel(self, job_id) -> Job | None:
+        """Takes effect at the next branch boundary of a running job; a queued job never starts."""
+        job = self.get(job_id)
+        if job is not None and job.state not in FINISHED:
+            job.cancel.set()
+            if job.state == "queued":
+                self._finish(job, "cancelled")
+        return job
+
+    def wait_for_change(self, version: int, timeout: float) -> int:
+        with self._changed:
+            self._changed.wait_for(lambda: self.version != version, timeout=timeout)
+            return self.version
+
+    def running(self) -> Job | None:
+        return next((self._jobs[i] for i in self._order if self._jobs[i].state == "running"), None)
+
+    def line(self) -> list[Job]:
+        """Unfinished jobs in the order they will run; the running one first."""
+        return [self._jobs[i] for i in list(self._order) if self._jobs[i].state in ("queued", "running")]
+
+    def position(self, job: Job) -> int | None:
+        """0 while running, n when n-1 jobs are ahead in line, None when finished."""
+        line = self.line()
+        return line.index(job) if job in line else None
+
+    def eta_seconds(self, job: Job) -> float | None:
+        """Seconds until `job` finishes, from measured step times; None before anything was measured."""
+        line = self.line()
+        if job not in line:
+            return 0.0
+        total = 0.0
+        for ahead in line[: line.index(job) + 1]:
+            remaining = self._remaining_seconds(ahead)
+            if remaining is None:
+                return None
+            total += remaining
+        return total
+
+    def close(self) -> None:
+        for job in self.line():
+            job.cancel.set()
+        self._queue.put(None)
+        self._worker.join(timeout=30)
+
+    # -- estimates ---------------------------------------------------------------------------------------------------
+    def _remaining_seconds(self, job: Job) -> float | None:
+        per_step = self._seconds_per_step(job)
+        if per_step is None:
+            return None
+        overhead = self._overhead_seconds(job)
+        if job.state == "running":
+            overhead = overhead if job.phase in (None, "text", "denoise") else overhead / 2
+            return (job.total - job.step) * per_step + overhead
+        return job.total * per_step + overhead
+
+    def _seconds_per_step(self, job: Job) -> float | None:
+        """The job's own steps once it has some, else recent jobs of the same cost. A mean, not a median: with
+        Spectrum, forecast steps cost almost nothing and the mean carries their share."""
+        if job.step_seconds:
+            return statistics.mean(job.step_seconds)
+        similar = [j for j in self._recent_finished() if _same_cost(j.request, job.request) and j.step_seconds]
+        if not similar:
+            return None
+        return statistics.mean(s for j in similar for s in j.step_seconds)
+
+    def _overhead_seconds(self, job: Job) -> float:
+        """Text encoding and decode, measured on recent jobs of the same size."""
+        overheads = [j.elapsed - sum(j.step_seconds) for j in self._recent_finished()
+                     if j.state == "done" and _same_cost(j.request, job.request)]
+        return statistics.median(overheads) if overheads else 0.0
+
+    def _recent_finished(self) -> list[Job]:
+        return [self._jobs[i] for i in self._order[-50:] if self._jobs[i].state in FINISHED]
+
+    # -- the worker --------------------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        self._ensure_pipeline()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancel.is_set():
+                self._finish(job, "cancelled")
+                continue
+            self._run(job)
+
+    def _ensure_pipeline(self) -> bool:
+        if self.pipeline is not None:
+            return True
+        try:
+            self.pipeline = self._load_pipeline()
+            self.load_error = None
+        except UserError as exc:
+            self.load_error = str(exc)
+        with self._changed:
+            self._bump()
+        return self.pipeline is not None
+
+    def _run(self, job: Job) -> None:
+        job.state, job.started = "running", time.time()
+        self._delete_old_previews()
+        with self._changed:
+            self._bump()
+        if not self._ensure_pipeline():
+            job.error = self.load_error
+            self._finish(job, "error")
+            return
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        started = time.perf_counter()
+        try:
+            for event in self.pipeline.generate(job.request, job.cancel):
+                self._handle(job, event)
+            state = "done"
+        except Cancelled:
+            state = "cancelled"
+        except UserError as exc:
+            job.error, state = str(exc), "error"
+        except Exception as exc:  # noqa: BLE001 -- the worker must outlive a bug in one job; the job shows it
+            log.exception("job %s failed", job.id)
+            job.error, state = f"internal error: {type(exc).__name__}: {exc}", "error"
+        finally:
+            self.active -= 1
+            self.run_log.append((job.id, started, time.perf_counter()))
+        self._finish(job, state)
+
+    def _handle(self, job: Job, event) -> None:
+        if isinstance(event, PhaseEvent):
+            job.phase = event.phase
+        elif isinstance(event, StepEvent):
+            job.preview_path = self._write_preview(job, event)
+            job.step, job.computed = event.step, event.computed
+            job.step_seconds.append(event.seconds)
+        elif isinstance(event, ResultEvent):
+            summary = dict(event.summary, model=self.model_name)
+            # Saved before the job reads as done, so "done" always has its PNG; a failure above saves nothing.
+            job.item = self.history.save(event.image, job.request, summary)
+        with self._changed:
+            self._bump()
+
+    def _write_preview(self, job: Job, event: StepEvent) -> Path:
+        from anima_ui.vae.preview import preview_image
+
+        folder = self.previews_dir / job.id
+        folder.mkdir(parents=True, exist_ok=True)
+        # One file per step: a browser still fetching step n never reads a file being rewritten for step n+1.
+        path = folder / f"{event.step:04d}.jpg"
+        image = preview_image(event.x0, self.preview_size, **self._preview_options(job))
+        image.convert("RGB").save(path, format="JPEG", quality=80)
+        return path
+
+    def _preview_options(self, job: Job) -> dict:
+        if job.preview_method == "taew2_1" and self.pipeline.paths.taesd is not None:
+            return {"taesd_path": self.pipeline.paths.taesd}
+        return {}
+
+    @property
+    def model_name(self) -> str | None:
+        return self.pipeline.paths.dit.stem if self.pipeline is not None else None
+
+    def _finish(self, job: Job, state: str) -> None:
+        with self._changed:
+            job.state, job.finished, job.phase = state, time.time(), None
+            self._forget_old_jobs()
+            self._bump()
+
+    def _forget_old_jobs(self) -> None:
+        finished = [i for i in self._order if self._jobs[i].state in FINISHED]
+        for job_id in finished[:-KEEP_FINISHED_JOBS]:
+            self._order.remove(job_id)
+            del self._jobs[job_id]
+
+    def _delete_old_previews(self) -> None:
+        if not self.previews_dir.is_dir():
+            return
+        folders = sorted(self.previews_dir.iterdir(), key=lambda p: p.stat().st_mtime)
+        for folder in folders[:-KEEP_PREVIEW_DIRS]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._changed.notify_all()
+
+
+def _same_cost(a: GenerationRequest, b: GenerationRequest) -> bool:
+    return (a.width, a.height, a.uses_uncond, a.spectrum) == (b.width, b.height, b.uses_uncond, b.spectrum)

@@ -1,0 +1,71 @@
+import pytest
+
+from anima_ui.errors import UserError
+from anima_ui.infotext import (
+    format_infotext,
+    format_seconds,
+    join_infotext,
+    parse_infotext,
+    settings_from_infotext,
+)
+from anima_ui.pipeline import GenerationRequest
+
+# Verbatim A1111 v1.10 output (modules/processing.py create_infotext), from gradio_ui.md §3.3.
+A1111_TEXT = (
+    "a lighthouse at dusk, oil painting\n"
+    "Negative prompt: blurry\n"
+    "Steps: 20, Sampler: Euler a, CFG scale: 7, Seed: 965400086, Size: 512x768, Model hash: 45dee52b, "
+    "Model: v1-5-pruned-emaonly, Version: v1.10.1"
+)
+
+
+def test_parses_a1111_text():
+    prompt, negative, params = parse_infotext(A1111_TEXT)
+    assert prompt == "a lighthouse at dusk, oil painting"
+    assert negative == "blurry"
+    assert params["Seed"] == "965400086"
+    assert (params["Size-1"], params["Size-2"]) == ("512", "768")
+    assert params["Model hash"] == "45dee52b"
+    assert params["Sampler"] == "Euler a"
+
+
+def test_join_matches_a1111_layout_and_quoting():
+    text = join_infotext("a cat", "", {"Steps": 4, "Seed": 1, "Spectrum config": "w=0.4, m=3", "Skipped": None})
+    # No negative line when the negative prompt is empty; values with commas are JSON-quoted; None is skipped.
+    assert text == 'a cat\nSteps: 4, Seed: 1, Spectrum config: "w=0.4, m=3"'
+
+
+def test_round_trip_of_our_infotext_restores_every_setting():
+    request = GenerationRequest(
+        prompt="two lines,\nwith: colons", negative="bad, hands", seed=2**40 + 3, steps=12, cfg=4.5,
+        width=832, height=1216, spectrum=True, spectrum_params={"w": 0.4, "window": 2},
+    )
+    text = format_infotext(request, {"backend": "onnx", "model": "anima-base-v1.0", "model_evals": 7,
+                                     "seconds": {"denoise": 83.2}})
+    assert "Spectrum: on" in text and "Denoise time: 1m23s" in text and "Model: anima-base-v1.0" in text
+    settings = settings_from_infotext(text)
+    assert settings == {
+        "prompt": request.prompt, "negative": request.negative, "seed": request.seed, "steps": 12, "cfg": 4.5,
+        "width": 832, "height": 1216, "spectrum": True, "spectrum_params": {"w": 0.4, "window": 2},
+    }
+
+
+def test_empty_prompt_round_trips():
+    request = GenerationRequest(prompt="", negative="", seed=5, steps=3, cfg=1.0, width=64, height=64)
+    settings = settings_from_infotext(format_infotext(request, {}))
+    assert settings["prompt"] == "" and settings["seed"] == 5 and settings["spectrum"] is False
+
+
+def test_a1111_settings_restore():
+    settings = settings_from_infotext(A1111_TEXT)
+    assert (settings["width"], settings["height"], settings["cfg"], settings["spectrum"]) == (512, 768, 7.0, False)
+
+
+def test_text_without_parameters_is_a_user_error():
+    with pytest.raises(UserError, match="lacks"):
+        settings_from_infotext("just a caption, nothing else")
+
+
+@pytest.mark.parametrize("seconds,text", [(3.14, "3.1s"), (42, "42s"), (83.2, "1m23s"), (3725, "1h02m")])
+def test_format_seconds(seconds, text):
+    assert format_seconds(seconds) == text
