@@ -1,0 +1,189 @@
+"""Branch backends with the board's lifecycle: load (read the file) -> init (make a runnable context)
+-> run (one call per graph batch) -> release. The executor times each phase; backends only do them.
+
+- OnnxBackend: onnxruntime on the CPU.
+- SimulatedBoard: onnxruntime computes the numbers, and every phase lasts at least what the RK3588
+  latency table (board_latency.py) says, times `time_scale`.
+- RknnLiteBackend: rknn-toolkit-lite2 on the board, written to the RKNNLite API (rknn.md §2.1)."""
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from anima_ui.errors import UserError
+from anima_ui.runtime import board_latency
+from anima_ui.runtime.manifest import GraphEntry
+
+
+class Backend:
+    name = ""
+    graph_format = "onnx"  # which manifest format this backend runs
+    host_seconds_per_visit = 0.0  # host time the simulated board adds between visits; 0 = real host
+
+    def __init__(self):
+        self._open_lock = threading.Lock()
+        self.open_count = 0  # contexts initialised and not yet released, counted by the backend itself
+
+    def _opened(self, delta: int) -> None:
+        with self._open_lock:
+            self.open_count += delta
+
+    def input_dtype(self, entry: GraphEntry, index: int) -> np.dtype:
+        return np.dtype(entry.inputs[index].dtype)
+
+    def load(self, folder: Path, entry: GraphEntry):
+        raise NotImplementedError
+
+    def init(self, loaded, entry: GraphEntry):
+        raise NotImplementedError
+
+    def run(self, context, entry: GraphEntry, arrays: list[np.ndarray]) -> np.ndarray:
+        raise NotImplementedError
+
+    def release(self, context, entry: GraphEntry) -> None:
+        raise NotImplementedError
+
+
+class OnnxBackend(Backend):
+    """load = read the file into memory; init = create the InferenceSession from those bytes."""
+
+    name = "onnx"
+
+    def __init__(self, threads: int = 0):
+        super().__init__()
+        import onnxruntime
+
+        self._ort = onnxruntime
+        self.threads = threads
+
+    def load(self, folder, entry):
+        return Path(folder, entry.file).read_bytes()
+
+    def init(self, loaded, entry):
+        options = self._ort.SessionOptions()
+        options.intra_op_num_threads = self.threads
+        # The arena keeps freed activation buffers for reuse; with a fresh session per visit it only
+        # holds memory a released context should have given back.
+        options.enable_cpu_mem_arena = False
+        session = self._ort.InferenceSession(loaded, options, providers=["CPUExecutionProvider"])
+        self._opened(+1)
+        return session
+
+    def run(self, context, entry, arrays):
+        feeds = {spec.name: array for spec, array in zip(entry.inputs, arrays)}
+        return context.run([entry.outputs[0].name], feeds)[0]
+
+    def release(self, context, entry):
+        # The executor drops its last reference to the session right after this; nothing else holds it.
+        self._opened(-1)
+
+
+class SimulatedBoard(OnnxBackend):
+    """onnxruntime numbers at RK3588 speed: each phase is padded with a sleep up to the board's time
+    for it (board_latency.py) times `time_scale`, so `time_scale=0.01` runs a 20-step job in seconds."""
+
+    name = "sim"
+
+    def __init__(self, time_scale: float = 1.0, threads: int = 0):
+        super().__init__(threads)
+        self.time_scale = time_scale
+        self.host_seconds_per_visit = board_latency.host_seconds_per_visit() * time_scale
+
+    def _pad(self, started: float, board_seconds: float) -> None:
+        remaining = board_seconds * self.time_scale - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+
+    def load(self, folder, entry):
+        started = time.perf_counter()
+        loaded = super().load(folder, entry)
+        self._pad(started, board_latency.phase_seconds(entry.kind)["load"])
+        return loaded
+
+    def init(self, loaded, entry):
+        started = time.perf_counter()
+        session = super().init(loaded, entry)
+        self._pad(started, board_latency.phase_seconds(entry.kind)["init"])
+        return session
+
+    def run(self, context, entry, arrays):
+        started = time.perf_counter()
+        out = super().run(context, entry, arrays)
+        batch = entry.outputs[0].shape[0]
+        seconds = board_latency.phase_seconds(entry.kind)["inference"]
+        if batch > 1:
+            seconds *= batch / board_latency.ASSUMED_BATCH2_SPEEDUP
+        self._pad(started, seconds)
+        return out
+
+    def release(self, context, entry):
+        started = time.perf_counter()
+        super().release(context, entry)
+        self._pad(started, board_latency.phase_seconds(entry.kind)["release"])
+
+
+RKNN_INSTALL_HINT = (
+    "the rknn backend needs rknn-toolkit-lite2 on the RK3588 board: `pip install rknn-toolkit-lite2==2.5.0` "
+    "(aarch64 only) and librknnrt.so 2.5.0 in /usr/lib (or LIBRKNNRT_PATH)"
+)
+CORE_MASKS = ("auto", "0", "1", "2", "0_1", "0_1_2", "all")
+
+
+class RknnLiteBackend(Backend):
+    """RKNNLite (rknn.md §2.1): load_rknn(path) -> init_runtime(core_mask=...) -> inference(inputs=[...])
+    -> release(). Both calls return 0 on success. Imported only when the backend is opened."""
+
+    name = "rknn"
+    graph_format = "rknn"
+
+    def __init__(self, core_mask: str = "auto"):
+        super().__init__()
+        try:
+            from rknnlite.api import RKNNLite
+        except ImportError:
+            raise UserError(RKNN_INSTALL_HINT) from None
+        if core_mask not in CORE_MASKS:
+            raise UserError(f"unknown NPU core mask {core_mask!r}: choose one of {', '.join(CORE_MASKS)}")
+        self._RKNNLite = RKNNLite
+        self.core_mask = getattr(RKNNLite, "NPU_CORE_" + core_mask.upper())
+
+    def input_dtype(self, entry, index):
+        return np.dtype(np.float32)  # the runtime converts float32 to the model's FP16 itself
+
+    def load(self, folder, entry):
+        rknn = self._RKNNLite(verbose=False)
+        path = str(Path(folder, entry.file))
+        if rknn.load_rknn(path) != 0:
+            raise UserError(f"RKNNLite could not load {path}; convert it again with `anima-ui convert-rknn`")
+        return rknn
+
+    def init(self, loaded, entry):
+        if loaded.init_runtime(core_mask=self.core_mask) != 0:
+            loaded.release()
+            raise UserError(f"RKNNLite init_runtime failed for {entry.file}; check that librknnrt.so is >= the toolkit version in the manifest")
+        # load_rknn keeps the whole file as Python bytes; the context no longer needs them (rknn.md §2.1).
+        loaded.rknn_data = None
+        self._opened(+1)
+        return loaded
+
+    def run(self, context, entry, arrays):
+        outputs = context.inference(inputs=arrays)
+        if outputs is None:
+            raise UserError(f"RKNNLite inference failed for {entry.file}")
+        return outputs[0]
+
+    def release(self, context, entry):
+        context.release()
+        self._opened(-1)
+
+
+def make_backend(name: str, time_scale: float = 1.0, core_mask: str = "auto", threads: int = 0) -> Backend:
+    if name == "onnx":
+        return OnnxBackend(threads)
+    if name == "sim":
+        return SimulatedBoard(time_scale, threads)
+    if name == "rknn":
+        return RknnLiteBackend(core_mask)
+    raise UserError(f"unknown runtime backend {name!r}: choose onnx, sim or rknn")
