@@ -15,7 +15,12 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE, Unigram
 from tokenizers.trainers import BpeTrainer, UnigramTrainer
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+# Qwen2's pre-tokenization split, as in transformers' Qwen2Tokenizer (a test checks they agree); copied so
+# that writing a random model does not import transformers.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 CORPUS = """\
 masterpiece, best quality, 1girl, solo, long hair, looking at viewer, smile, blue eyes, school uniform
@@ -78,7 +83,7 @@ def _train_qwen_bpe(vocab_size: int) -> Tokenizer:
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
