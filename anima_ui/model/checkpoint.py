@@ -1,0 +1,152 @@
+"""The DiT + LLM-adapter checkpoint: its key layout, random weights in that layout, and a torch-free loader."""
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from anima_ui.errors import UserError
+from anima_ui.model.config import AnimaConfig
+
+# Release files root their keys at one of these (ComfyUI and diffusion-pipe strip the same ones).
+KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
+ADAPTER_PREFIX = "llm_adapter."
+
+_SAFETENSORS_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+
+
+def dit_param_shapes(cfg: AnimaConfig) -> dict[str, tuple]:
+    """Every tensor of the official file (without its prefix), in file order: 567 DiT + 118 adapter at full size."""
+    d, r = cfg.width, cfg.adaln_lora_dim
+    shapes = {
+        "x_embedder.proj.1.weight": (d, cfg.patch_features),
+        "t_embedder.1.linear_1.weight": (d, d),
+        "t_embedder.1.linear_2.weight": (3 * d, d),
+        "t_embedding_norm.weight": (d,),
+    }
+    for i in range(cfg.num_blocks):
+        b = f"blocks.{i}."
+        for attn, kv_in in (("self_attn", d), ("cross_attn", cfg.context_dim)):
+            shapes[f"{b}{attn}.q_proj.weight"] = (d, d)
+            shapes[f"{b}{attn}.k_proj.weight"] = (d, kv_in)
+            shapes[f"{b}{attn}.v_proj.weight"] = (d, kv_in)
+            shapes[f"{b}{attn}.output_proj.weight"] = (d, d)
+            shapes[f"{b}{attn}.q_norm.weight"] = (cfg.head_dim,)
+            shapes[f"{b}{attn}.k_norm.weight"] = (cfg.head_dim,)
+        shapes[f"{b}mlp.layer1.weight"] = (cfg.mlp_dim, d)
+        shapes[f"{b}mlp.layer2.weight"] = (d, cfg.mlp_dim)
+        for kind in ("self_attn", "cross_attn", "mlp"):
+            shapes[f"{b}adaln_modulation_{kind}.1.weight"] = (r, d)
+            shapes[f"{b}adaln_modulation_{kind}.2.weight"] = (3 * d, r)
+    shapes["final_layer.linear.weight"] = (cfg.out_features, d)
+    shapes["final_layer.adaln_modulation.1.weight"] = (r, d)
+    shapes["final_layer.adaln_modulation.2.weight"] = (2 * d, r)
+    shapes.update({ADAPTER_PREFIX + k: v for k, v in _adapter_shapes(cfg).items()})
+    return shapes
+
+
+def _adapter_shapes(cfg: AnimaConfig) -> dict[str, tuple]:
+    a, hd, src = cfg.adapter_dim, cfg.adapter_head_dim, cfg.adapter_source_dim
+    shapes = {"embed.weight": (cfg.adapter_vocab, a)}
+    for j in range(cfg.adapter_layers):
+        b = f"blocks.{j}."
+        for attn, kv_in in (("self_attn", a), ("cross_attn", src)):
+            shapes[f"{b}norm_{attn}.weight"] = (a,)
+            shapes[f"{b}{attn}.q_proj.weight"] = (a, a)
+            shapes[f"{b}{attn}.k_proj.weight"] = (a, kv_in)
+            shapes[f"{b}{attn}.v_proj.weight"] = (a, kv_in)
+            shapes[f"{b}{attn}.o_proj.weight"] = (a, a)
+            shapes[f"{b}{attn}.q_norm.weight"] = (hd,)
+            shapes[f"{b}{attn}.k_norm.weight"] = (hd,)
+        shapes[f"{b}norm_mlp.weight"] = (a,)
+        shapes[f"{b}mlp.0.weight"] = (cfg.adapter_mlp_dim, a)
+        shapes[f"{b}mlp.0.bias"] = (cfg.adapter_mlp_dim,)
+        shapes[f"{b}mlp.2.weight"] = (a, cfg.adapter_mlp_dim)
+        shapes[f"{b}mlp.2.bias"] = (a,)
+    shapes["out_proj.weight"] = (cfg.context_dim, a)
+    shapes["out_proj.bias"] = (cfg.context_dim,)
+    shapes["norm.weight"] = (cfg.context_dim,)
+    return shapes
+
+
+def random_dit_state(cfg: AnimaConfig, seed: int) -> dict[str, np.ndarray]:
+    """Random float32 weights in the official layout. Matrices have std 1/sqrt(fan_in) (0.022 at the real
+    width 2048), so activations, AdaLN gates and branch outputs stay near unit scale at any test width and
+    every branch visibly moves the output. Norm weights are 1 + 0.1·N(0,1) rather than 1 so a mixed-up or
+    skipped norm changes the result; biases are N(0, 0.02²)."""
+    rng = np.random.default_rng(seed)
+    state = {}
+    for key, shape in dit_param_shapes(cfg).items():
+        if _is_norm_weight(key):
+            values = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif len(shape) == 1:
+            values = 0.02 * rng.standard_normal(shape)
+        else:
+            values = rng.standard_normal(shape) / np.sqrt(shape[1])
+        state[key] = values.astype(np.float32)
+    return state
+
+
+def _is_norm_weight(key: str) -> bool:
+    return key.endswith("norm.weight") or ".norm_" in key
+
+
+def split_adapter(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The LLM-adapter tensors with `llm_adapter.` removed (diffusers' AnimaTextConditioner uses these names)."""
+    return {k[len(ADAPTER_PREFIX):]: v for k, v in state.items() if k.startswith(ADAPTER_PREFIX)}
+
+
+def strip_prefix(key: str) -> str:
+    for prefix in KEY_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def load_dit(path, dtype=np.float32) -> tuple[AnimaConfig, dict[str, np.ndarray]]:
+    """Read an Anima DiT safetensors file without torch. Unknown keys are ignored; a missing or misshapen
+    tensor, or a damaged file, raises UserError."""
+    path = Path(path)
+    header, data_start = _read_header(path)
+    entries = {strip_prefix(k): v for k, v in header.items() if k != "__metadata__"}
+    cfg = AnimaConfig.from_shapes({k: tuple(v["shape"]) for k, v in entries.items()})
+    expected = dit_param_shapes(cfg)
+    for key, shape in expected.items():
+        if key not in entries:
+            raise UserError(f"{path.name}: tensor {key!r} is missing; the file is incomplete or not an Anima model (re-download it)")
+        if tuple(entries[key]["shape"]) != shape:
+            raise UserError(
+                f"{path.name}: tensor {key!r} has shape {tuple(entries[key]['shape'])}, expected {shape} (re-download the file)"
+            )
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    state = {key: _tensor(path, raw, data_start, key, entries[key], dtype) for key in expected}
+    return cfg, state
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    unreadable = UserError(f"{path} is not a readable safetensors file (damaged or truncated download?); re-download it")
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    except (struct.error, ValueError, UnicodeDecodeError, MemoryError, OverflowError, AttributeError, KeyError, TypeError, IndexError):
+        raise unreadable from None
+    if path.stat().st_size < 8 + size + end:
+        raise UserError(f"{path} is truncated ({path.stat().st_size} bytes, its header needs {8 + size + end}); re-download it")
+    return header, 8 + size
+
+
+def _tensor(path: Path, raw: np.memmap, data_start: int, key: str, entry: dict, dtype) -> np.ndarray:
+    stored = _SAFETENSORS_DTYPES.get(entry["dtype"])
+    if stored is None:
+        raise UserError(f"{path.name}: tensor {key!r} is {entry['dtype']}; only BF16, F16 and F32 files are supported")
+    begin, end = entry["data_offsets"]
+    values = raw[data_start + begin:data_start + end].view(stored).reshape(entry["shape"])
+    if entry["dtype"] == "BF16":
+        # bf16 is the top half of a float32
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(values, dtype=dtype)

@@ -1,0 +1,115 @@
+"""One DiT forward pass, split the way the board runs it: NumPy host ops around 3 branch calls per block.
+
+`dit_forward` does not know where branches run: `run_branch(block, kind, inputs)` may be the torch
+reference (`TorchBranches`), onnxruntime, or the NPU. Visit order is fixed — block 0 self_attn,
+cross_attn, mlp, block 1 self_attn, … — and every visit carries the whole batch (CFG = batch 2)."""
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from anima_ui.errors import UserError
+from anima_ui.model import host
+from anima_ui.model.branches import BRANCH_CLASSES, BRANCH_INPUTS, block_weights, cross_attention_kv
+from anima_ui.model.config import AnimaConfig
+
+RunBranch = Callable[[int, str, dict], np.ndarray]
+KINDS = ("self_attn", "cross_attn", "mlp")
+
+
+def dit_forward(
+    weights: dict[str, np.ndarray],
+    run_branch: RunBranch,
+    x: np.ndarray,
+    sigma: np.ndarray,
+    kv: list[tuple[np.ndarray, np.ndarray]],
+    rope: tuple[np.ndarray, np.ndarray],
+    on_block: Callable[[int, np.ndarray], None] | None = None,
+) -> np.ndarray:
+    """x [B,C,h,w] model-space latent, sigma [B] -> velocity [B,C,h,w] (float32).
+
+    kv: per block (k, v) [B,S,D] from `prepare_kv`; rope: (cos, sin) [N,hd] from `prepare_rope`.
+    on_block(i, X) sees the residual stream [B,N,D] after block i (a live array: copy it to keep it)."""
+    b, channels, h, w = x.shape
+    patch = _patch_size(weights, channels)
+    residual = host.patchify(np.asarray(x, np.float32), patch) @ weights["x_embedder.proj.1.weight"].T
+    e, lora = host.t_embedding(weights, np.asarray(sigma, np.float32))
+    modulations = host.block_modulations(weights, len(kv), e, lora)
+    rope_cos, rope_sin = rope
+    for i, (k, v) in enumerate(kv):
+        branch_inputs = {
+            "self_attn": {"rope_cos": rope_cos, "rope_sin": rope_sin},
+            "cross_attn": {"k": k, "v": v},
+            "mlp": {},
+        }
+        for kind in KINDS:
+            shift, scale, gate = modulations[i][kind]
+            out = run_branch(i, kind, {"h": host.adaln(residual, shift, scale), **branch_inputs[kind]})
+            host.add_gated(residual, gate, out)
+        if on_block is not None:
+            on_block(i, residual)
+    y = host.final_layer(weights, residual, e, lora)
+    return host.unpatchify(y, h, w, patch, channels)
+
+
+def _patch_size(weights: dict, channels: int) -> int:
+    """p from the patch embed: its input is (channels + 1 mask channel)·p·p."""
+    patch_area = weights["x_embedder.proj.1.weight"].shape[1] // (channels + 1)
+    return round(patch_area**0.5)
+
+
+def prepare_rope(cfg: AnimaConfig, h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """RoPE cos/sin [N, head_dim] for a latent of h×w (image size / 8)."""
+    if h % cfg.patch or w % cfg.patch:
+        raise UserError(f"latent size {h}x{w} must be a multiple of {cfg.patch}: use image sizes that are multiples of 16")
+    return host.rope_tables(cfg, h, w)
+
+
+def num_blocks(weights: dict) -> int:
+    return sum(1 for key in weights if key.startswith("blocks.") and key.endswith(".cross_attn.k_proj.weight"))
+
+
+def prepare_kv(weights: dict[str, np.ndarray], contexts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cross-attention k, v of every block for contexts [B,S,C] (cond and uncond stacked for CFG)."""
+    contexts = np.asarray(contexts, np.float32)
+    return [cross_attention_kv(block_weights(weights, i), contexts) for i in range(num_blocks(weights))]
+
+
+class TorchBranches:
+    """`run_branch` over the torch branch modules (the float32 reference); each module is built on first use."""
+
+    def __init__(self, weights: dict[str, np.ndarray], cfg: AnimaConfig):
+        self.weights = weights
+        self.cfg = cfg
+        self.modules: dict[tuple[int, str], torch.nn.Module] = {}
+
+    def module(self, block: int, kind: str) -> torch.nn.Module:
+        if not 0 <= block < self.cfg.num_blocks:
+            raise IndexError(f"block {block} out of range: the model has {self.cfg.num_blocks}")
+        if (block, kind) not in self.modules:
+            self.modules[(block, kind)] = BRANCH_CLASSES[kind](block_weights(self.weights, block)).eval()
+        return self.modules[(block, kind)]
+
+    def __call__(self, block: int, kind: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        module = self.module(block, kind)
+        args = [torch.from_numpy(np.ascontiguousarray(inputs[name], dtype=np.float32)) for name in BRANCH_INPUTS[kind]]
+        with torch.inference_mode():
+            return module(*args).numpy()
+
+
+def reference_forward(
+    weights: dict[str, np.ndarray],
+    x: np.ndarray,
+    sigma: np.ndarray,
+    context: np.ndarray,
+    branches: TorchBranches | None = None,
+    on_block: Callable[[int, np.ndarray], None] | None = None,
+) -> np.ndarray:
+    """The whole DiT in float32 on this machine: `dit_forward` with the torch branch modules.
+    Pass `branches` to reuse modules across calls."""
+    cfg = AnimaConfig.from_shapes({k: v.shape for k, v in weights.items()})
+    branches = branches or TorchBranches(weights, cfg)
+    kv = prepare_kv(weights, context)
+    rope = prepare_rope(cfg, x.shape[2], x.shape[3])
+    return dit_forward(weights, branches, x, sigma, kv, rope, on_block=on_block)
