@@ -1,0 +1,46 @@
+"""`anima-ui serve` (and `python app.py`): start the Gradio app on the LAN."""
+
+import os
+from pathlib import Path
+
+from anima_ui.pipeline import BACKENDS
+
+
+def add_arguments(parser):
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every interface, so phones on the LAN reach it)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--models", default="models", help="model folder in the official layout (models/README.md)")
+    parser.add_argument("--backend", default="torch", choices=BACKENDS, help="how the DiT branches run")
+    parser.add_argument("--outputs", default="outputs", help="where finished PNGs and their JSON sidecars go")
+    parser.add_argument("--presets", default="presets", help="folder of preset JSON files")
+    parser.add_argument("--password", default=None, help="require this password (default: $ANIMA_UI_PASSWORD, else none)")
+    parser.add_argument("--demo", action="store_true", help="use a random-weight tiny model made under ~/.cache/anima-ui")
+    parser.add_argument("--no-prefetch", action="store_true", help="serial branch lifecycle, as the blog ran it")
+
+
+def run(args) -> int:
+    from anima_ui.ui import setup, system
+    from anima_ui.ui.app import App, AppConfig
+
+    models = Path(args.models)
+    if args.demo:
+        models = setup.demo_model_dir()
+        print(f"demo mode: random-weight tiny model in {models}")
+    config = AppConfig(
+        models_dir=models,
+        backend=args.backend,
+        outputs_dir=Path(args.outputs),
+        presets_dir=Path(args.presets),
+        host=args.host,
+        port=args.port,
+        password=args.password or os.environ.get("ANIMA_UI_PASSWORD") or None,
+        demo=args.demo,
+        runtime_options={"prefetch": False} if args.no_prefetch else {},
+    )
+    app = App(config)
+    if app.missing:
+        print(f"model not ready: {app.missing} (the page offers the download)")
+    print(f"open {system.public_url(args.host, args.port)} on a phone on the same network"
+          + (" (password required)" if config.password else ""))
+    app.launch()
+    return 0

@@ -1,0 +1,386 @@
+"""The Gradio app: a phone-first page (prompt, Generate/Stop, live view, settings, A/B, history, meetup, status) and a
+big-screen page at /big. Every handler here only submits, watches or cancels jobs of the JobManager."""
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import gradio as gr
+
+from anima_ui.errors import UserError
+from anima_ui.history import History, request_settings, settings_from_png
+from anima_ui.jobs import FINISHED, JobManager
+from anima_ui.pipeline import Pipeline
+from anima_ui.ui import form, setup, system
+from anima_ui.ui.watch import ab_comparison, job_labels, job_status
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline board: no calls to Gradio's analytics host
+
+# Fixed, so a job id stored in a phone's localStorage is still readable after a server restart
+# (random per start by default: gradio-app/gradio #10263). It is shipped to the page: obfuscation, not security.
+SESSION_KEY = "anima-ui-session"
+SESSION_SECRET = "anima-ui-browserstate-v1"
+GALLERY_SIZE = 48
+WATCH_TICK = 1.0  # seconds between status refreshes while nothing changes (the elapsed time moves)
+
+HEAD = """<script>
+// A phone tab that slept may look connected while its stream is dead: re-attach when it becomes visible.
+document.addEventListener("visibilitychange", () => {
+  if (document.visibilityState === "visible") document.querySelector("#resume")?.click();
+});
+</script>"""
+CSS = """
+#view img { max-height: 72vh; object-fit: contain; }
+#status { min-height: 2.5em; }
+#big-view img { max-height: 88vh; }
+"""
+
+
+@dataclass
+class AppConfig:
+    models_dir: Path
+    backend: str = "torch"
+    outputs_dir: Path = Path("outputs")
+    presets_dir: Path = Path("presets")
+    host: str = "0.0.0.0"
+    port: int = 7860
+    password: str | None = None
+    demo: bool = False
+    preview_size: int = 384
+    runtime_options: dict = field(default_factory=dict)
+
+
+class App:
+    def __init__(self, config: AppConfig):
+        self.config = config
+        self.history = History(config.outputs_dir)
+        self.missing = setup.missing_message(config.models_dir)
+        self.manager = JobManager(
+            lambda: Pipeline.load(config.models_dir, backend=config.backend, **config.runtime_options),
+            self.history,
+            Path(config.outputs_dir) / ".previews",
+            preview_size=config.preview_size,
+        )
+        paths = None if self.missing else _model_paths(config.models_dir)
+        self.sizes = form.size_choices(config.backend, paths, config.demo)
+        self.strict_sizes = config.backend == "rknn" or (config.backend in ("onnx", "sim") and paths is not None
+                                                         and self.sizes != list(form.STANDARD_SIZES))
+        self.has_taesd = paths is not None and paths.taesd is not None
+        self.demo = self._build()
+
+    # -- handlers: submit / watch / cancel -----------------------------------------------------------------------
+    def _request(self, prompt, negative, seed, cfg, steps, size, spectrum):
+        return form.build_request(prompt, negative, seed, cfg, steps, size, spectrum,
+                                  allowed_sizes=self.sizes if self.strict_sizes else None)
+
+    def generate(self, session, prompt, negative, seed, cfg, steps, size, spectrum, preview_method):
+        """-> (session, inline message, fresh). `fresh` tells the chained watcher whether there is a new job."""
+        try:
+            request = self._request(prompt, negative, seed, cfg, steps, size, spectrum)
+            job = self.manager.submit(request, preview_method)
+        except UserError as exc:
+            return session, f"⚠️ {exc}", False
+        return {"jobs": [job.id], "ab": None, "last_seed": request.seed}, "", True
+
+    def ab(self, session, prompt, negative, seed, cfg, steps, size, spectrum, preview_method):
+        """The same prompt and seed with Spectrum off and on; a finished twin in the history is reused."""
+        try:
+            base = self._request(prompt, negative, seed, cfg, steps, size, False)
+        except UserError as exc:
+            return session, f"⚠️ {exc}", False
+        refs, jobs = {}, []
+        for key, request in (("off", base), ("on", replace(base, spectrum=True))):
+            twin = self.history.find_twin(request_settings(request), request.spectrum, self.manager.model_name)
+            if twin is not None:
+                refs[key] = {"item": twin.name}
+            else:
+                job = self.manager.submit(request, preview_method)
+                refs[key] = {"job": job.id}
+                jobs.append(job.id)
+        reused = [k for k, ref in refs.items() if "item" in ref]
+        note = f"Reusing the finished Spectrum-{' and '.join(reused)} image from history." if reused else ""
+        return {"jobs": jobs, "ab": refs, "last_seed": base.seed}, note, True
+
+    def follow(self, session, fresh):
+        if not fresh:
+            yield (gr.skip(),) * 5
+            return
+        yield from self.watch(session)
+
+    def watch(self, session):
+        """Generator -> (view, status, A/B slider, A/B text, gallery). Abandoning it (disconnect, Stop, reload)
+        leaves the jobs running; a new page calls it again with the same session."""
+        session = session if isinstance(session, dict) else {}
+        ids = [i for i in session.get("jobs", []) if isinstance(i, str)]
+        if not ids and not session.get("ab"):
+            yield gr.skip(), "Type a prompt and press **Generate**.", gr.skip(), gr.skip(), gr.skip()
+            return
+        jobs = [self.manager.get(i) for i in ids]
+        if any(job is None for job in jobs):
+            yield (gr.skip(), "The job this page followed is gone (the server restarted). Finished images are in "
+                   "**History**.", gr.skip(), gr.skip(), self.gallery())
+            return
+        labels = job_labels(session)
+        shown_preview, version = None, -1
+        while True:
+            current = next((j for j in jobs if j.state not in FINISHED), None)
+            if current is None:
+                yield self._final(session, jobs, labels)
+                return
+            view = gr.skip()
+            if current.preview_path is not None and current.preview_path != shown_preview:
+                shown_preview = current.preview_path
+                view = str(shown_preview)
+            yield view, job_status(self.manager, current, labels.get(current.id, "")), gr.skip(), gr.skip(), gr.skip()
+            version = self.manager.wait_for_change(version, timeout=WATCH_TICK)
+
+    def _final(self, session, jobs, labels):
+        last = jobs[-1] if jobs else None
+        lines = [job_status(self.manager, j, labels.get(j.id, "")) for j in jobs]
+        view = gr.skip()
+        if last is not None and last.item is not None:
+            view = str(last.item.png_path)
+        elif last is not None and last.preview_path is not None:
+            view = str(last.preview_path)
+        slider, ab_text = gr.skip(), gr.skip()
+        if session.get("ab"):
+            pair, ab_text = ab_comparison(session, self.manager, self.history)
+            slider = pair if pair is not None else gr.skip()
+            view = pair[1] if pair is not None else view
+            if not jobs:
+                lines = ["✅ **A/B** both images were already in history"]
+        return view, "\n\n".join(lines), slider, ab_text, self.gallery()
+
+    def cancel(self, session):
+        session = session if isinstance(session, dict) else {}
+        cancelled = [job for job in map(self.manager.get, session.get("jobs", [])) if job is not None
+                     and job.state not in FINISHED and self.manager.cancel(job.id) is not None]
+        if not cancelled:
+            return "Nothing to stop."
+        return "Stopping… a running job stops at the next branch boundary."
+
+    # -- handlers: form, history, presets ---------------------------------------------------------------------------
+    def gallery(self):
+        return [(str(item.png_path), item.caption) for item in self.history.items()[:GALLERY_SIZE]]
+
+    def _form_values(self, settings: dict, note: str):
+        size = f"{settings['width']}x{settings['height']}"
+        if self.strict_sizes and size not in self.sizes:
+            note += f" ⚠️ {size} has no graphs on this backend; choose another size."
+            size = gr.skip()
+        return (settings["prompt"], settings["negative"], str(settings["seed"]), settings["cfg"], settings["steps"],
+                size, settings["spectrum"], note)
+
+    def restore_selected(self, evt: gr.SelectData):
+        """Gallery click: the served file keeps the history item's name."""
+        value = evt.value or {}
+        path = (value.get("image") or {}).get("path") if isinstance(value, dict) else None
+        item = self.history.get(Path(path).stem) if path else None
+        if item is None:
+            return (*(gr.skip(),) * 7, "⚠️ That image is no longer in history.")
+        return self._form_values(item.settings, f"Restored the settings of {item.png_path.name}.")
+
+    def restore_png(self, path):
+        if not path:
+            return (*(gr.skip(),) * 7, "")
+        try:
+            settings = settings_from_png(path)
+        except UserError as exc:
+            return (*(gr.skip(),) * 7, f"⚠️ {exc}")
+        return self._form_values(settings, f"Restored the settings of {Path(path).name}.")
+
+    def reuse_seed(self, session):
+        seed = (session or {}).get("last_seed") if isinstance(session, dict) else None
+        return str(seed) if seed is not None else gr.skip()
+
+    def apply_preset(self, name):
+        try:
+            values = form.load_preset(self.config.presets_dir, name)
+        except UserError as exc:
+            return (*(gr.skip(),) * 6, f"⚠️ {exc}")
+        outputs = [values.get(k, gr.skip()) for k in ("prompt", "negative", "cfg", "steps", "size", "spectrum")]
+        return (*outputs, f"Preset **{name}** applied.")
+
+    def save_preset(self, name, prompt, negative, cfg, steps, size, spectrum):
+        try:
+            stem = form.save_preset(self.config.presets_dir, name, {
+                "prompt": prompt, "negative": negative, "cfg": cfg, "steps": steps, "size": size, "spectrum": spectrum})
+        except UserError as exc:
+            return gr.skip(), f"⚠️ {exc}"
+        return gr.update(choices=form.list_presets(self.config.presets_dir), value=stem), f"Saved preset **{stem}**."
+
+    def download_models(self):
+        plan = setup.download_plan(self.config.models_dir)
+        lines = []
+        try:
+            for line in setup.download(plan, self.config.models_dir):
+                lines = (lines + [line])[-8:]
+                yield "\n".join(lines)
+        except UserError as exc:
+            yield "\n".join(lines + [f"⚠️ {exc}"])
+            return
+        self.missing = setup.missing_message(self.config.models_dir)
+        yield "\n".join(lines + [self.missing and f"⚠️ still missing: {self.missing}" or
+                                 "✅ All files are in place; the first generation loads the model."])
+
+    def status_panel(self):
+        return system.status_markdown(self.manager, self.config.backend)
+
+    def big_screen(self, tick: int):
+        """The running job's live preview, else the recent results one after another."""
+        running = self.manager.running()
+        if running is not None and running.preview_path is not None:
+            return str(running.preview_path), job_status(self.manager, running), tick
+        items = self.history.items()[:12]
+        if not items:
+            return gr.skip(), "Waiting for the first picture…", tick
+        item = items[tick % len(items)]
+        return str(item.png_path), f"{item.settings['prompt'][:120]} · {item.caption}", tick + 1
+
+    # -- layout -----------------------------------------------------------------------------------------------------
+    def _build(self) -> gr.Blocks:
+        config = self.config
+        url = system.public_url(config.host, config.port)
+        with gr.Blocks(title="Anima on the NPU", fill_width=True, delete_cache=(3600, 86400)) as demo:
+            session = gr.BrowserState(None, storage_key=SESSION_KEY, secret=SESSION_SECRET)
+            fresh = gr.State(False)
+            gr.Markdown("## Anima on the NPU")
+            if config.demo:
+                gr.Markdown(f"🧪 **Demo mode:** a random-weight tiny model from `{config.models_dir}`; "
+                            "pictures are noise by design.", elem_id="demo-banner")
+            with gr.Group(visible=bool(self.missing), elem_id="missing"):
+                plan = setup.download_plan(config.models_dir)
+                gr.Markdown(f"⚠️ **The model is not ready:** {self.missing}\n\n"
+                            f"Download the official files ({len(plan)} files) into `{config.models_dir}`:\n\n"
+                            + "\n".join(f"- `{d.dest}` ← {d.url}" for d in plan))
+                fetch = gr.Button("Download the official files", elem_id="download")
+                fetch_log = gr.Markdown(elem_id="download-log")
+
+            prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt", placeholder="a lighthouse at dusk, oil painting")
+            with gr.Row():
+                go = gr.Button("Generate", variant="primary", scale=3, min_width=0, elem_id="go")
+                stop = gr.Button("Stop", variant="stop", scale=1, min_width=0, elem_id="stop")
+                ab_button = gr.Button("A/B Spectrum", scale=2, min_width=0, elem_id="ab")
+            message = gr.Markdown(elem_id="message")
+            status = gr.Markdown("Type a prompt and press **Generate**.", elem_id="status")
+            view = gr.Image(label="Live view", type="filepath", format="png", interactive=False, elem_id="view",
+                            buttons=["download", "fullscreen"])
+
+            with gr.Accordion("Settings", open=False, elem_id="settings"):
+                negative = gr.Textbox(label="Negative prompt", lines=2, elem_id="negative")
+                with gr.Row():
+                    seed = gr.Textbox(label="Seed (-1 = random)", value="-1", scale=3, min_width=0, elem_id="seed")
+                    dice = gr.Button("🎲", scale=1, min_width=0, elem_id="dice")
+                    recycle = gr.Button("♻️", scale=1, min_width=0, elem_id="recycle")
+                with gr.Row():
+                    cfg = gr.Number(label="CFG", value=4.0, minimum=0, maximum=30, step=0.5, min_width=0, elem_id="cfg")
+                    steps = gr.Number(label="Steps", value=4 if config.demo else 30, precision=0, minimum=1,
+                                      maximum=200, min_width=0, elem_id="steps")
+                size = gr.Dropdown(self.sizes, value=self.sizes[0] if self.sizes else None, label="Size (width x height)",
+                                   allow_custom_value=not self.strict_sizes, elem_id="size")
+                spectrum = gr.Checkbox(label="Spectrum (forecast about half the steps)", value=False, elem_id="spectrum")
+                preview_method = gr.Radio(["projection", "taew2_1"] if self.has_taesd else ["projection"],
+                                          value="projection", label="Preview", elem_id="preview-method")
+                with gr.Row():
+                    preset = gr.Dropdown(form.list_presets(config.presets_dir), value=None, label="Preset",
+                                         scale=2, min_width=0, elem_id="preset")
+                    preset_name = gr.Textbox(label="Save current settings as", scale=2, min_width=0, elem_id="preset-name")
+                    save_preset = gr.Button("Save preset", scale=1, min_width=0, elem_id="save-preset")
+
+            with gr.Accordion("A/B: Spectrum off vs on", open=True, elem_id="ab-panel"):
+                ab_slider = gr.ImageSlider(label="Spectrum off | on", type="filepath", format="png", interactive=False,
+                                           elem_id="ab-slider")
+                ab_text = gr.Markdown(elem_id="ab-text")
+
+            with gr.Accordion("History", open=True, elem_id="history"):
+                gallery = gr.Gallery(value=self.gallery, columns=3, height=420, format="png", allow_preview=True,
+                                     label="Finished images (tap one to reuse its settings)", elem_id="gallery")
+                drop = gr.File(label="Drop a PNG made here (or by A1111) to restore its settings", file_types=[".png"],
+                               type="filepath", elem_id="drop")
+
+            with gr.Accordion("Meetup", open=False, elem_id="meetup"):
+                gr.HTML(system.qr_html(url))
+                gr.Markdown(f"Scan to join. Big screen: [{url}big]({url}big)")
+
+            with gr.Accordion("Status", open=False, elem_id="status-panel"):
+                status_box = gr.Markdown(elem_id="system-status")
+                gr.Timer(5.0).tick(self.status_panel, None, status_box, show_progress="hidden",
+                                   api_visibility="private")
+            resume = gr.Button("resume", visible="hidden", elem_id="resume")
+
+            form_inputs = [prompt, negative, seed, cfg, steps, size, spectrum, preview_method]
+            watch_outputs = [view, status, ab_slider, ab_text, gallery]
+            light = {"concurrency_limit": None, "show_progress": "hidden"}
+            after_go = go.click(self.generate, [session, *form_inputs], [session, message, fresh], api_name="generate",
+                                **light).then(self.follow, [session, fresh], watch_outputs, api_visibility="private", **light)
+            after_ab = ab_button.click(self.ab, [session, *form_inputs], [session, message, fresh], api_name="ab",
+                                       **light).then(self.follow, [session, fresh], watch_outputs,
+                                                     api_visibility="private", **light)
+            on_load = demo.load(self.watch, session, watch_outputs, api_name="reattach", api_visibility="private", **light)
+            watchers = [after_go, after_ab, on_load]
+            on_resume = resume.click(self.watch, session, watch_outputs, api_name="watch", cancels=watchers, **light)
+            watchers.append(on_resume)
+            # Only one watcher per page writes the status line: a new one cancels the others.
+            for button in (go, ab_button):
+                button.click(None, cancels=watchers[2:], api_visibility="private")
+            stop.click(self.cancel, session, message, api_name="cancel", **light)
+
+            dice.click(lambda: "-1", None, seed, api_visibility="private", **light)
+            recycle.click(self.reuse_seed, session, seed, api_visibility="private", **light)
+            form_fields = [prompt, negative, seed, cfg, steps, size, spectrum, message]
+            gallery.select(self.restore_selected, None, form_fields, api_visibility="private", **light)
+            drop.upload(self.restore_png, drop, form_fields, api_name="restore_png", **light)
+            preset.input(self.apply_preset, preset, [prompt, negative, cfg, steps, size, spectrum, message],
+                         api_name="apply_preset", **light)
+            save_preset.click(self.save_preset, [preset_name, prompt, negative, cfg, steps, size, spectrum],
+                              [preset, message], api_name="save_preset", **light)
+            fetch.click(self.download_models, None, fetch_log, api_visibility="private", **light)
+            demo.load(self.status_panel, None, status_box, api_name="status", **light)
+
+        with demo.route("Big screen", "/big"):
+            gr.Markdown("## Anima on the NPU — live")
+            big_view = gr.Image(type="filepath", format="png", interactive=False, show_label=False, elem_id="big-view")
+            big_caption = gr.Markdown(elem_id="big-caption")
+            tick = gr.State(0)
+            gr.HTML(system.qr_html(url))
+            gr.Timer(3.0).tick(self.big_screen, tick, [big_view, big_caption, tick], show_progress="hidden",
+                               api_visibility="private")
+        return demo
+
+    # -- launching --------------------------------------------------------------------------------------------------
+    def launch(self, **overrides):
+        self.demo.queue(max_size=64, default_concurrency_limit=None, api_open=False)
+        kwargs = dict(
+            server_name=self.config.host,
+            server_port=self.config.port,
+            auth=_auth(self.config.password),
+            auth_message="The password is on the whiteboard.",
+            allowed_paths=[str(Path(self.config.outputs_dir).resolve())],
+            footer_links=[],
+            run_history=False,
+            enable_monitoring=False,
+            max_threads=64,
+            theme=gr.themes.Soft(),
+            css=CSS,
+            head=HEAD,
+        )
+        kwargs.update(overrides)
+        return self.demo.launch(**kwargs)
+
+    def close(self):
+        self.demo.close()
+        self.manager.close()
+
+
+def _auth(password: str | None):
+    if not password:
+        return None
+    # Any user name: the meetup shares one password.
+    return lambda _user, given: given == password
+
+
+def _model_paths(models_dir):
+    from anima_ui.modelfiles import ModelPaths
+
+    return ModelPaths.find(models_dir)
+

@@ -1,0 +1,118 @@
+"""The generation form: turning widget values into a GenerationRequest (with one-line errors), size choices, presets."""
+
+import json
+import re
+import secrets
+from pathlib import Path
+
+from anima_ui.errors import UserError
+from anima_ui.history import write_atomically
+from anima_ui.pipeline import GenerationRequest
+
+# The model card's recommended ~1 MP sizes, plus smaller ones that are quicker on the board.
+STANDARD_SIZES = ("1024x1024", "896x1152", "1152x896", "832x1216", "1216x832", "768x768", "512x512")
+DEMO_SIZES = ("128x128", "64x64", "256x256")  # a random-weight tiny model: small is plenty
+SIZE_RE = re.compile(r"^\s*(\d+)\s*[x×]\s*(\d+)\s*$")
+PRESET_KEYS = ("prompt", "negative", "cfg", "steps", "size", "spectrum")
+
+
+def size_choices(backend: str, paths, demo: bool) -> list[str]:
+    """torch: any multiple of 16 (a list to start from); onnx/sim: the exported sizes (others export on first use,
+    which takes minutes); rknn: only the converted sizes."""
+    if backend == "rknn":
+        return _graph_sizes(paths.root / "rknn") if paths is not None else []
+    exported = _graph_sizes(paths.root / "exported") if paths is not None else []
+    if backend in ("onnx", "sim") and exported:
+        return exported
+    return list(DEMO_SIZES if demo else STANDARD_SIZES)
+
+
+def _graph_sizes(folder: Path) -> list[str]:
+    if not folder.is_dir():
+        return []
+    sizes = [p.name for p in folder.iterdir() if SIZE_RE.match(p.name) and (p / "manifest.json").exists()]
+    return sorted(sizes, key=lambda s: [int(n) for n in SIZE_RE.match(s).groups()], reverse=True)
+
+
+def parse_seed(seed) -> int:
+    """'' or -1 means random. Seeds are text in the form: a JS number cannot hold a 64-bit seed exactly."""
+    text = str(seed if seed is not None else "").strip()
+    if text in ("", "-1"):
+        return secrets.randbelow(2**32)
+    try:
+        value = int(text)
+    except ValueError:
+        raise UserError(f"seed must be a whole number, or -1 for a random one; got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise UserError(f"seed must be from 0 to 2^63-1, or -1 for a random one; got {value}")
+    return value
+
+
+def parse_size(size) -> tuple[int, int]:
+    match = SIZE_RE.match(str(size or ""))
+    if not match:
+        raise UserError(f"size must look like 1024x1024 (width x height); got {size!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _whole(value, name: str) -> int:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{name} must be a whole number; got {value!r}") from None
+    if number != int(number):
+        raise UserError(f"{name} must be a whole number; got {value!r}")
+    return int(number)
+
+
+def _number(value, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{name} must be a number; got {value!r}") from None
+
+
+def build_request(prompt, negative, seed, cfg, steps, size, spectrum, allowed_sizes=None) -> GenerationRequest:
+    """An empty prompt is allowed, as in A1111: with CFG it samples the unconditional direction, a valid picture."""
+    width, height = parse_size(size)
+    if allowed_sizes is not None and f"{width}x{height}" not in allowed_sizes:
+        raise UserError(f"{width}x{height} has no exported graphs on this backend; choose one of {', '.join(allowed_sizes)}")
+    request = GenerationRequest(
+        prompt=str(prompt or ""),
+        negative=str(negative or ""),
+        seed=parse_seed(seed),
+        steps=_whole(steps, "steps"),
+        cfg=_number(cfg, "CFG"),
+        width=width,
+        height=height,
+        spectrum=bool(spectrum),
+    )
+    request.validate()
+    return request
+
+
+# -- presets ------------------------------------------------------------------------------------------------------------
+def list_presets(presets_dir: Path) -> list[str]:
+    return sorted(p.stem for p in Path(presets_dir).glob("*.json"))
+
+
+def load_preset(presets_dir: Path, name: str) -> dict:
+    path = Path(presets_dir) / f"{Path(str(name)).name}.json"
+    if not path.is_file():
+        raise UserError(f"no preset named {name!r}; choose one from the list")
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"preset file {path.name} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or delete it") from None
+    return {k: values[k] for k in PRESET_KEYS if k in values}
+
+
+def save_preset(presets_dir: Path, name: str, values: dict) -> str:
+    """Saves the settings (not the seed: a preset is a style, not one picture). Returns the preset's file stem."""
+    stem = re.sub(r"[^a-z0-9]+", "-", str(name or "").lower()).strip("-")
+    if not stem:
+        raise UserError("give the preset a name (letters or digits) before saving it")
+    Path(presets_dir).mkdir(parents=True, exist_ok=True)
+    preset = {k: values[k] for k in PRESET_KEYS if k in values}
+    write_atomically(Path(presets_dir) / f"{stem}.json", lambda f: f.write(json.dumps(preset, indent=1).encode()))
+    return stem

@@ -1,0 +1,133 @@
+"""First start without a model: what is missing, where each official file comes from, and getting it.
+
+The weights are the official release on Hugging Face (`circlestone-labs/Anima`, `split_files/...`); the release has
+no tokenizers, so those come from ComfyUI's bundled copies, the ones the reference implementation loads
+(/work/shared/reference/anima_model.md §1). Downloads go to a temp file beside the target and are renamed when
+complete, so an interrupted download never looks like a model file."""
+
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from anima_ui.errors import UserError
+
+HF_BASE = "https://huggingface.co"
+COMFY_RAW = "https://raw.githubusercontent.com/Comfy-Org/ComfyUI/master/comfy/text_encoders"
+TAEHV_RAW = "https://github.com/madebyollin/taehv/raw/main/safetensors"
+ANIMA_REPO = "circlestone-labs/Anima"
+
+
+@dataclass(frozen=True)
+class Download:
+    url: str
+    dest: str  # relative to the model folder
+    repo: str | None = None  # Hugging Face repo and file, when the file is on the Hub
+    repo_file: str | None = None
+    optional: bool = False
+
+
+def download_plan(models_dir, hf_base: str = HF_BASE, comfy_raw: str = COMFY_RAW, taehv_raw: str = TAEHV_RAW) -> list[Download]:
+    """The files still missing from `models_dir`, in the layout `ModelPaths.find` reads."""
+    def hub(repo, repo_file, dest):
+        return Download(f"{hf_base}/{repo}/resolve/main/{repo_file}", dest, repo, repo_file)
+
+    wanted = [
+        hub(ANIMA_REPO, "split_files/diffusion_models/anima-base-v1.0.safetensors", "diffusion_models/anima-base-v1.0.safetensors"),
+        hub(ANIMA_REPO, "split_files/text_encoders/qwen_3_06b_base.safetensors", "text_encoders/qwen_3_06b_base.safetensors"),
+        hub(ANIMA_REPO, "split_files/vae/qwen_image_vae.safetensors", "vae/qwen_image_vae.safetensors"),
+    ]
+    for folder, files in (("qwen25_tokenizer", ("vocab.json", "merges.txt", "tokenizer_config.json")),
+                          ("t5_tokenizer", ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"))):
+        wanted += [Download(f"{comfy_raw}/{folder}/{name}", f"tokenizers/{folder}/{name}") for name in files]
+    wanted.append(Download(f"{taehv_raw}/taew2_1.safetensors", "vae_approx/taew2_1.safetensors", optional=True))
+
+    root = Path(models_dir)
+    have_dit = any((root / "diffusion_models").glob("*.safetensors"))
+    return [d for d in wanted
+            if not (root / d.dest).is_file() and not (d.dest.startswith("diffusion_models/") and have_dit)]
+
+
+def missing_message(models_dir) -> str | None:
+    """None when the model folder is complete, else the one-line reason (from ModelPaths.find)."""
+    from anima_ui.modelfiles import ModelPaths
+
+    try:
+        ModelPaths.find(models_dir)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def download(plan: list[Download], models_dir):
+    """Generator: yields one progress line at a time while it fetches every file of `plan`."""
+    root = Path(models_dir)
+    for number, item in enumerate(plan, 1):
+        target = root / item.dest
+        target.parent.mkdir(parents=True, exist_ok=True)
+        label = f"[{number}/{len(plan)}] {item.dest}"
+        yield f"{label}: starting"
+        try:
+            if item.repo and _have_hub():
+                yield from _download_hub(item, target, label)
+            else:
+                yield from _download_url(item.url, target, label)
+        except OSError as exc:
+            if item.optional:
+                yield f"{label}: skipped (optional; {exc})"
+                continue
+            raise UserError(f"download of {item.dest} failed ({exc}); check the network and press Download again") from exc
+        yield f"{label}: done"
+
+
+def _have_hub() -> bool:
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _download_hub(item: Download, target: Path, label: str):
+    from huggingface_hub import hf_hub_download
+
+    yield f"{label}: downloading through huggingface_hub (byte progress in the server log)"
+    staging = target.parent / ".download"  # same filesystem as the target, so the final rename is atomic
+    try:
+        fetched = hf_hub_download(item.repo, item.repo_file, local_dir=staging)
+        os.replace(fetched, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _download_url(url: str, target: Path, label: str, chunk_bytes: int = 1 << 22):
+    temp = target.with_name(f".{target.name}.partial")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(temp, "wb") as sink:
+            size = int(response.headers.get("Content-Length") or 0)
+            done = 0
+            while chunk := response.read(chunk_bytes):
+                sink.write(chunk)
+                done += len(chunk)
+                total = f" of {size / 2**20:.0f} MiB" if size else ""
+                yield f"{label}: {done / 2**20:.0f} MiB{total}"
+        os.replace(temp, target)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def demo_model_dir(cache_dir=None) -> Path:
+    """A tiny random-weight model in the official layout, made once by `anima-ui random-model` and reused."""
+    cache = Path(cache_dir or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "anima-ui"
+    folder = cache / "demo-tiny-seed0"
+    if missing_message(folder) is None:
+        return folder
+    cache.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "anima_ui", "random-model", "--config", "tiny", "--seed", "0", "--out", str(folder)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise UserError(f"could not make the demo model in {folder}: {result.stderr.strip().splitlines()[-1:]}")
+    return folder

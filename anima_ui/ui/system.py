@@ -1,0 +1,80 @@
+"""What the board is doing: memory, the process, the NPU runtime; the LAN address and its QR code."""
+
+import socket
+from pathlib import Path
+
+import psutil
+import segno
+
+GIB = 1024**3
+
+
+def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    values = {}
+    for line in Path(path).read_text().splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts:
+            values[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    return values
+
+
+def process_memory() -> dict[str, int]:
+    """RSS and PSS of this process (PSS counts shared pages fairly: what the process really costs the board)."""
+    info = psutil.Process().memory_full_info()
+    return {"rss": info.rss, "pss": getattr(info, "pss", info.rss)}
+
+
+def lan_address() -> str:
+    """The address other devices on the LAN reach us at. Connecting a UDP socket sends no packet; it only makes
+    the kernel choose the outgoing interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def public_url(host: str, port: int) -> str:
+    shown = lan_address() if host in ("0.0.0.0", "", "::") else host
+    return f"http://{shown}:{port}/"
+
+
+def qr_html(url: str) -> str:
+    data_uri = segno.make(url, error="m").svg_data_uri(scale=8, border=2)
+    return (f'<div id="qr" style="text-align:center"><img src="{data_uri}" alt="QR code for {url}" '
+            f'style="width:min(70vw,320px);image-rendering:pixelated"><p><a href="{url}">{url}</a></p></div>')
+
+
+def status_markdown(manager, backend: str) -> str:
+    mem = meminfo()
+    proc = process_memory()
+    swap_used = mem.get("SwapTotal", 0) - mem.get("SwapFree", 0)
+    pipeline = manager.pipeline
+    runtime = getattr(pipeline, "runtime", None)
+    if pipeline is not None:
+        model = pipeline.paths.dit.name
+    else:
+        model = f"not loaded ({manager.load_error})" if manager.load_error else "loading…"
+    lines = [
+        f"**Backend** {backend} · **Model** {model}",
+        f"**NPU contexts open** {getattr(runtime, 'open_contexts', 0) if runtime is not None else 0}",
+        f"**MemAvailable** {mem.get('MemAvailable', 0) / GIB:.2f} GiB · **Swap used** {swap_used / GIB:.2f} GiB",
+        f"**This process** RSS {proc['rss'] / GIB:.2f} GiB · PSS {proc['pss'] / GIB:.2f} GiB",
+        f"**Jobs in line** {len(manager.line())}",
+    ]
+    gate = gate_warning(runtime)
+    if gate:
+        lines.append(f"⚠️ **Memory gate:** {gate}")
+    return "\n\n".join(lines)
+
+
+def gate_warning(runtime) -> str | None:
+    """The memory gate's message while it holds the next context back (runtime.gate_status is a
+    anima_ui.runtime.memory.GateStatus); None when it lets contexts open or nothing is running."""
+    status = getattr(runtime, "gate_status", None) if runtime is not None else None
+    if status is None or status.ok:
+        return None
+    return status.message

@@ -1,0 +1,68 @@
+"""Following a browser's jobs: the status line and what the page shows while and after they run.
+
+A browser's `session` (kept in gr.BrowserState, so it survives reloads) is {"jobs": [job ids], "ab": {"off": ref,
+"on": ref} or None, "last_seed": int}, where a ref is {"job": id} or {"item": history name}."""
+
+import numpy as np
+from PIL import Image
+
+from anima_ui.infotext import format_seconds
+from anima_ui.ui.compare import psnr, ssim
+
+PHASES = {"text": "encoding the prompt", "decode": "decoding the image", None: "starting"}
+
+
+def job_status(manager, job, label: str = "") -> str:
+    prefix = f"{label} · " if label else ""
+    if job.state == "queued":
+        ahead = manager.position(job)
+        eta = manager.eta_seconds(job)
+        when = f"done in about {format_seconds(eta)}" if eta is not None else "time estimate after the first step"
+        if manager.pipeline is None and manager.load_error is None:
+            when = "the model is still loading"
+        waiting = f"{ahead} job{'s' if ahead != 1 else ''} ahead" if ahead else "next"
+        return f"{prefix}⏳ **Queued: {waiting}** · {when}"
+    if job.state == "running":
+        if job.phase == "denoise" and job.step:
+            kind = "computed" if job.computed else "forecast"
+            what = f"step {job.step}/{job.total}** ({kind})"
+        elif job.phase == "denoise":
+            what = f"step 0/{job.total}**"
+        else:
+            what = f"{PHASES.get(job.phase, job.phase)}**"
+        eta = manager.eta_seconds(job)
+        left = f" · about {format_seconds(eta)} left" if eta is not None else ""
+        return f"{prefix}▶️ **{what} · {format_seconds(job.elapsed)} elapsed{left}"
+    if job.state == "done":
+        return f"{prefix}✅ **Done** in {format_seconds(job.elapsed)} · seed {job.request.seed} · {job.item.png_path.name}"
+    if job.state == "cancelled":
+        return f"{prefix}⏹️ **Cancelled** at step {job.step}/{job.total} · seed {job.request.seed}"
+    return f"{prefix}❌ **Failed:** {job.error}"
+
+
+def job_labels(session: dict) -> dict[str, str]:
+    ab = session.get("ab") or {}
+    return {ref["job"]: f"A/B Spectrum {key}" for key, ref in ab.items() if "job" in ref}
+
+
+def resolve(ref: dict, manager, history):
+    """A ref -> its HistoryItem, or None when the job did not finish with an image."""
+    if "item" in ref:
+        return history.get(ref["item"])
+    job = manager.get(ref.get("job"))
+    return job.item if job is not None else None
+
+
+def ab_comparison(session: dict, manager, history) -> tuple[tuple | None, str]:
+    """(slider value (off png, on png), one-line comparison), or (None, why not)."""
+    off, on = (resolve(session["ab"][k], manager, history) for k in ("off", "on"))
+    if off is None or on is None:
+        return None, "A/B incomplete: one of the two runs did not finish (see the status line)."
+    a, b = (np.asarray(Image.open(item.png_path).convert("RGB")) for item in (off, on))
+    t_off, t_on = (item.summary.get("seconds", {}).get("denoise") for item in (off, on))
+    timing = f"Spectrum off {format_seconds(t_off)} · on {format_seconds(t_on)}"
+    if t_off and t_on:
+        timing += f" · speed-up {t_off / t_on:.2f}×"
+    evals = f" · model evaluations {off.summary.get('model_evals')} vs {on.summary.get('model_evals')}"
+    quality = f"PSNR {psnr(a, b):.2f} dB · SSIM {ssim(a, b):.4f}"
+    return (str(off.png_path), str(on.png_path)), f"{timing}{evals}\n\n{quality}"

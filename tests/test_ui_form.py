@@ -1,0 +1,168 @@
+import json
+
+import numpy as np
+import pytest
+
+from anima_ui.errors import UserError
+from anima_ui.ui import form, setup
+from anima_ui.ui.compare import gaussian_window, psnr, ssim
+
+
+def _request(**overrides):
+    values = dict(prompt="a cat", negative="", seed="7", cfg=4.0, steps=4, size="128x128", spectrum=False)
+    values.update(overrides)
+    return form.build_request(**values)
+
+
+def test_form_values_become_a_request():
+    request = _request(seed="18446744073", steps=4.0, size="64 x 96", spectrum=True)
+    assert (request.seed, request.steps, request.width, request.height, request.spectrum) == (18446744073, 4, 64, 96, True)
+
+
+@pytest.mark.parametrize("seed", ["", "-1", None])
+def test_random_seed(seed):
+    assert 0 <= _request(seed=seed).seed < 2**32
+
+
+def test_empty_prompt_is_allowed_like_a1111():
+    assert _request(prompt="", cfg=7.0).prompt == ""
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"seed": "abc"}, "seed must be a whole number"),
+    ({"seed": "-5"}, "seed must be from 0"),
+    ({"steps": 0}, "steps must be a whole number from 1"),
+    ({"steps": 2.5}, "steps must be a whole number"),
+    ({"steps": None}, "steps must be a whole number"),
+    ({"cfg": "x"}, "CFG must be a number"),
+    ({"cfg": 99}, "CFG must be between"),
+    ({"size": "99999x99999"}, "width must be a multiple of 16"),
+    ({"size": "100x128"}, "width must be a multiple of 16"),
+    ({"size": "big"}, "size must look like"),
+])
+def test_bad_input_is_one_line_user_error(overrides, message):
+    with pytest.raises(UserError, match=message) as info:
+        _request(**overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_strict_sizes_only_allow_exported_graphs():
+    with pytest.raises(UserError, match="no exported graphs"):
+        form.build_request("a", "", "1", 4, 4, "512x512", False, allowed_sizes=["1024x1024"])
+
+
+def test_size_choices_follow_the_backend(tmp_path):
+    class Paths:
+        root = tmp_path
+
+    for kind, size in (("exported", "832x1216"), ("exported", "1024x1024"), ("rknn", "1024x1024")):
+        (tmp_path / kind / size).mkdir(parents=True)
+        (tmp_path / kind / size / "manifest.json").write_text("{}")
+    (tmp_path / "exported" / "640x640").mkdir()  # no manifest: an unfinished export does not count
+    assert form.size_choices("onnx", Paths, demo=False) == ["1024x1024", "832x1216"]
+    assert form.size_choices("rknn", Paths, demo=False) == ["1024x1024"]
+    assert form.size_choices("torch", Paths, demo=False) == list(form.STANDARD_SIZES)
+    assert form.size_choices("torch", None, demo=True) == list(form.DEMO_SIZES)
+
+
+def test_presets_round_trip_without_seed(tmp_path):
+    stem = form.save_preset(tmp_path, "My Style!", {"prompt": "p", "negative": "n", "cfg": 5.0, "steps": 9,
+                                                     "size": "64x64", "spectrum": True, "seed": 3})
+    assert stem == "my-style"
+    assert form.list_presets(tmp_path) == ["my-style"]
+    assert form.load_preset(tmp_path, "my-style") == {"prompt": "p", "negative": "n", "cfg": 5.0, "steps": 9,
+                                                      "size": "64x64", "spectrum": True}
+    with pytest.raises(UserError, match="give the preset a name"):
+        form.save_preset(tmp_path, "  ", {})
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(UserError, match="not valid JSON"):
+        form.load_preset(tmp_path, "broken")
+
+
+def test_committed_presets_are_valid():
+    from pathlib import Path
+
+    presets = Path(__file__).parent.parent / "presets"
+    for name in form.list_presets(presets):
+        values = form.load_preset(presets, name)
+        _request(**{k: v for k, v in values.items() if k in ("negative", "cfg", "steps", "size", "spectrum")})
+
+
+# -- A/B metrics ------------------------------------------------------------------------------------------------------
+def _ssim_direct(a, b):
+    """Textbook SSIM, one window position at a time (no separable filtering), for one channel."""
+    w = np.outer(gaussian_window(), gaussian_window())
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    values = []
+    for i in range(a.shape[0] - 10):
+        for j in range(a.shape[1] - 10):
+            x, y = a[i:i + 11, j:j + 11], b[i:i + 11, j:j + 11]
+            mx, my = (w * x).sum(), (w * y).sum()
+            vx, vy = (w * (x - mx) ** 2).sum(), (w * (y - my) ** 2).sum()
+            cov = (w * (x - mx) * (y - my)).sum()
+            values.append((2 * mx * my + c1) * (2 * cov + c2) / ((mx**2 + my**2 + c1) * (vx + vy + c2)))
+    return float(np.mean(values))
+
+
+def test_ssim_matches_the_textbook_formula():
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (24, 30, 3), dtype=np.uint8)
+    b = np.clip(a.astype(int) + rng.integers(-40, 40, a.shape), 0, 255).astype(np.uint8)
+    expected = np.mean([_ssim_direct(a[..., c], b[..., c]) for c in range(3)])
+    assert ssim(a, b) == pytest.approx(expected, abs=1e-9)
+    assert ssim(a, a) == pytest.approx(1.0)
+    assert ssim(a, 255 - a) < 0.2
+
+
+def test_psnr():
+    a = np.zeros((8, 8, 3), np.uint8)
+    b = a.copy()
+    b[0, 0, 0] = 255  # mse = 255^2 / 192
+    assert psnr(a, b) == pytest.approx(10 * np.log10(192))
+    assert psnr(a, a) == float("inf")
+
+
+# -- missing model / download plan -------------------------------------------------------------------------------------
+def test_download_plan_maps_urls_to_the_layout(tmp_path):
+    plan = setup.download_plan(tmp_path)
+    by_dest = {d.dest: d for d in plan}
+    dit = by_dest["diffusion_models/anima-base-v1.0.safetensors"]
+    assert dit.url == ("https://huggingface.co/circlestone-labs/Anima/resolve/main/"
+                       "split_files/diffusion_models/anima-base-v1.0.safetensors")
+    assert (dit.repo, dit.repo_file) == ("circlestone-labs/Anima", "split_files/diffusion_models/anima-base-v1.0.safetensors")
+    assert by_dest["vae/qwen_image_vae.safetensors"].url.endswith("/split_files/vae/qwen_image_vae.safetensors")
+    assert by_dest["tokenizers/t5_tokenizer/tokenizer.json"].url.endswith("/comfy/text_encoders/t5_tokenizer/tokenizer.json")
+    assert by_dest["vae_approx/taew2_1.safetensors"].optional
+    assert len(plan) == 10 and not any(d.optional for d in plan if d.dest != "vae_approx/taew2_1.safetensors")
+    # Files already present (any diffusion model counts) are not fetched again.
+    (tmp_path / "diffusion_models").mkdir()
+    (tmp_path / "diffusion_models" / "anima-preview.safetensors").write_bytes(b"x")
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "qwen_image_vae.safetensors").write_bytes(b"x")
+    remaining = {d.dest for d in setup.download_plan(tmp_path)}
+    assert "vae/qwen_image_vae.safetensors" not in remaining
+    assert not any(d.startswith("diffusion_models/") for d in remaining)
+
+
+def test_missing_model_is_reported(tmp_path):
+    assert "does not exist" in setup.missing_message(tmp_path / "nothing")
+    assert "missing diffusion model" in setup.missing_message(tmp_path)
+
+
+def test_url_download_is_atomic_and_reports_progress(tmp_path, monkeypatch):
+    # file:// URLs exercise the urllib path without a network; the Hub path is bypassed by making it unavailable.
+    source = tmp_path / "mirror"
+    (source / "qwen25_tokenizer").mkdir(parents=True)
+    (source / "qwen25_tokenizer" / "vocab.json").write_text(json.dumps({"a": 0}))
+    monkeypatch.setattr(setup, "_have_hub", lambda: False)
+    plan = [d for d in setup.download_plan(tmp_path / "models", comfy_raw=source.as_uri())
+            if d.dest.startswith("tokenizers/qwen25_tokenizer/vocab")]
+    lines = list(setup.download(plan, tmp_path / "models"))
+    assert lines[-1].endswith("done") and any("MiB" in line for line in lines)
+    assert json.loads((tmp_path / "models" / "tokenizers/qwen25_tokenizer/vocab.json").read_text()) == {"a": 0}
+    missing = [d for d in setup.download_plan(tmp_path / "models2", comfy_raw=source.as_uri())
+               if d.dest.endswith("merges.txt")]
+    with pytest.raises(UserError, match="download of tokenizers/qwen25_tokenizer/merges.txt failed"):
+        list(setup.download(missing, tmp_path / "models2"))
+    assert not any(p.name.endswith(".partial") for p in (tmp_path / "models2").rglob("*"))
