@@ -1,0 +1,28 @@
+"""`anima-ui export --models DIR --width W --height H [--out DIR] [--dtype fp16|fp32] [--batch 1|2]`."""
+
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser):
+    parser.add_argument("--models", required=True, help="model folder in the official layout")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--out", help="output folder (default: MODELS/exported/WxH, where generate looks)")
+    parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
+                        help="graph precision (fp32 for onnxruntime and as RKNN input; the RKNN build makes FP16 itself)")
+    parser.add_argument("--batch", type=int, choices=(1, 2), default=1, help="2: cond and uncond in one call")
+
+
+def run(args) -> int:
+    from anima_ui.convert.export import export_graphs
+    from anima_ui.model.checkpoint import load_dit
+    from anima_ui.modelfiles import ModelPaths
+
+    paths = ModelPaths.find(args.models)
+    config, weights = load_dit(paths.dit)
+    out = Path(args.out) if args.out else paths.exported_dir(args.width, args.height)
+    progress = lambda line: print(line, file=sys.stderr, flush=True)
+    manifest = export_graphs(paths, config, weights, args.width, args.height, out, args.dtype, args.batch, progress)
+    print(f"{len(manifest.graphs)} graphs ({args.dtype}, batch {args.batch}, {args.width}x{args.height}) in {out}")
+    return 0
