@@ -1,0 +1,156 @@
+"""The job engine on the real pipeline with the tiny random-weight model (torch backend)."""
+
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from anima_ui.history import History
+from anima_ui.jobs import FINISHED, JobManager
+from anima_ui.pipeline import GenerationRequest, Pipeline
+
+
+def make_tiny_model(folder):
+    subprocess.run([sys.executable, "-m", "anima_ui", "random-model", "--config", "tiny", "--seed", "0",
+                    "--out", str(folder)], check=True, capture_output=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model):
+    return Pipeline.load(tiny_model, backend="torch")
+
+
+@pytest.fixture
+def manager(pipeline, tmp_path):
+    manager = JobManager(lambda: pipeline, History(tmp_path / "outputs"), tmp_path / "previews", preview_size=64)
+    yield manager
+    manager.close()
+
+
+def wait(manager, job, timeout=120):
+    version = manager.version
+    while job.state not in FINISHED:
+        version = manager.wait_for_change(version, timeout=timeout)
+    return job
+
+
+def request(seed=1, steps=3, size=64, **kwargs):
+    return GenerationRequest(prompt="a red fox", seed=seed, steps=steps, width=size, height=size, **kwargs)
+
+
+def test_a_job_streams_previews_and_saves_its_png(manager):
+    job = wait(manager, manager.submit(request(seed=11, steps=3)))
+    assert job.state == "done", job.error
+    assert len(job.step_seconds) == 3 and job.step == 3
+    previews = sorted(job.preview_path.parent.glob("*.jpg"))
+    assert [p.name for p in previews] == ["0001.jpg", "0002.jpg", "0003.jpg"]
+    assert Image.open(previews[0]).format == "JPEG"
+    with Image.open(job.item.png_path) as png:
+        assert png.size == (64, 64) and "Seed: 11" in png.info["parameters"]
+    assert job.item.summary["model"] == "anima-base-v1.0"
+    assert manager.history.items()[0].name == job.item.name
+
+
+def test_jobs_run_one_at_a_time_in_submission_order(manager):
+    jobs = [None] * 6
+    barrier = threading.Barrier(6)
+
+    def submit(i):
+        barrier.wait()
+        jobs[i] = manager.submit(request(seed=100 + i, steps=2))
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for job in jobs:
+        wait(manager, job)
+    assert all(job.state == "done" for job in jobs)
+    submitted = sorted(jobs, key=lambda j: manager._order.index(j.id))
+    assert [run[0] for run in manager.run_log] == [j.id for j in submitted]
+    assert manager.max_active == 1
+    for (_, _, end), (_, start, _) in zip(manager.run_log, manager.run_log[1:]):
+        assert end <= start
+    assert len(manager.history.items()) == 6
+
+
+def test_queue_position_and_eta_come_from_measured_steps(manager):
+    manager.submit(request(seed=1, steps=20, size=80))
+    assert manager.eta_seconds(manager.submit(request(seed=1, steps=2, size=80))) is None  # nothing measured yet
+    first = manager.submit(request(seed=2, steps=4))
+    second = manager.submit(request(seed=3, steps=4))
+    assert manager.position(second) >= 1
+    wait(manager, second)
+    third = manager.submit(request(seed=4, steps=4))
+    fourth = manager.submit(request(seed=5, steps=4))
+    assert manager.eta_seconds(fourth) > 0 and manager.eta_seconds(fourth) >= manager.eta_seconds(third)
+    wait(manager, fourth)
+    assert first.state == "done" and manager.position(fourth) is None
+
+
+def test_cancel_running_and_queued_jobs(manager):
+    running = manager.submit(request(seed=21, steps=60))
+    queued = manager.submit(request(seed=22, steps=2))
+    version = manager.version
+    while running.step < 2:
+        version = manager.wait_for_change(version, timeout=60)
+    manager.cancel(queued.id)
+    manager.cancel(running.id)
+    wait(manager, running)
+    wait(manager, queued)
+    assert running.state == "cancelled" and running.step < 60 and running.item is None
+    assert queued.state == "cancelled" and queued.started is None
+    assert manager.history.items() == []
+    after = wait(manager, manager.submit(request(seed=23, steps=2)))  # the worker is free again
+    assert after.state == "done"
+
+
+def test_nan_latent_fails_visibly_and_saves_nothing(tiny_model, tmp_path):
+    broken = tmp_path / "nan-model"
+    shutil.copytree(tiny_model, broken)
+    dit = broken / "diffusion_models" / "anima-base-v1.0.safetensors"
+    state = load_file(dit)
+    key = next(k for k in state if "final_layer" in k and k.endswith("weight"))
+    state[key] = torch.full_like(state[key], float("nan"))
+    save_file(state, dit)
+    manager = JobManager(lambda: Pipeline.load(broken), History(tmp_path / "outputs"), tmp_path / "previews")
+    try:
+        job = wait(manager, manager.submit(request(seed=31, steps=2)))
+    finally:
+        manager.close()
+    assert job.state == "error" and "NaN" in job.error
+    assert list((tmp_path / "outputs").glob("*.png")) == [] and list((tmp_path / "outputs").glob("*.json")) == []
+
+
+def test_missing_model_file_fails_the_job_not_the_worker(tiny_model, tmp_path):
+    broken = tmp_path / "no-vae"
+    shutil.copytree(tiny_model, broken)
+    (broken / "vae" / "qwen_image_vae.safetensors").unlink()
+    manager = JobManager(lambda: Pipeline.load(broken), History(tmp_path / "outputs"), tmp_path / "previews")
+    try:
+        job = wait(manager, manager.submit(request()))
+        assert job.state == "error" and "Qwen-Image VAE" in job.error and manager.load_error
+        shutil.copy(tiny_model / "vae" / "qwen_image_vae.safetensors", broken / "vae")  # fixed: the next job loads
+        assert wait(manager, manager.submit(request())).state == "done"
+    finally:
+        manager.close()
+
+
+def test_bad_request_is_refused_at_submit(manager):
+    from anima_ui.errors import UserError
+
+    with pytest.raises(UserError, match="steps"):
+        manager.submit(request(steps=0))
+    assert manager.line() == []
