@@ -27,10 +27,10 @@ def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + EPS) * weight
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [B, N, H, hd], k/v [B, S, H, hd] -> [B, N, H·hd]; full bidirectional softmax attention, no mask."""
-    b, n, heads, head_dim = q.shape
-    # an explicit float scale keeps Shape/Sqrt ops out of the exported graph
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """q [B, N, H, hd], k/v [B, S, H, hd] -> [B, N, H·hd]; full bidirectional softmax attention, no mask.
+    head_dim is a Python int so the scale is a constant in the exported graph, not Shape/Sqrt ops."""
+    b, n, heads, _ = q.shape
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=head_dim**-0.5)
     return out.transpose(1, 2).reshape(b, n, heads * head_dim)
 
@@ -57,7 +57,7 @@ class SelfAttentionBranch(nn.Module):
         cos, sin = rope_cos[None, :, None, :], rope_sin[None, :, None, :]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        return F.linear(_attention(q, k, v), self.output_proj)
+        return F.linear(_attention(q, k, v, self.head_dim), self.output_proj)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ class CrossAttentionBranch(nn.Module):
         s = k.shape[1]
         k = k.reshape(b, s, heads, self.head_dim)
         v = v.reshape(b, s, heads, self.head_dim)
-        return F.linear(_attention(q, k, v), self.output_proj)
+        return F.linear(_attention(q, k, v, self.head_dim), self.output_proj)
 
 
 class FeedForwardBranch(nn.Module):

@@ -26,8 +26,7 @@ class AnimaConfig:
     latent_channels: int = 16
     context_len: int = 512
     rope_theta: float = 10000.0
-    rope_hw_extrapolation: float = 4.0
-    rope_t_extrapolation: float = 1.0
+    rope_hw_extrapolation: float = 4.0  # NTK factor on the h/w thetas; t needs none (images are frame 0)
 
     @classmethod
     def full(cls) -> "AnimaConfig":

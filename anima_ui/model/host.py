@@ -101,14 +101,12 @@ def rope_tables(cfg: AnimaConfig, h: int, w: int) -> tuple[np.ndarray, np.ndarra
     rows, cols = h // cfg.patch, w // cfg.patch
     theta_h = cfg.rope_theta * cfg.rope_hw_extrapolation ** (dim_h / (dim_h - 2))  # NTK-scaled
     theta_w = cfg.rope_theta * cfg.rope_hw_extrapolation ** (dim_w / (dim_w - 2))
-    theta_t = cfg.rope_theta * cfg.rope_t_extrapolation ** (dim_t / (dim_t - 2))
     freqs_h = theta_h ** (-np.arange(0, dim_h, 2, dtype=np.float64) / dim_h)
     freqs_w = theta_w ** (-np.arange(0, dim_w, 2, dtype=np.float64) / dim_w)
-    freqs_t = theta_t ** (-np.arange(0, dim_t, 2, dtype=np.float64) / dim_t)
     i, j = np.meshgrid(np.arange(rows, dtype=np.float64), np.arange(cols, dtype=np.float64), indexing="ij")
     angles = np.concatenate(
         [
-            np.zeros((rows * cols, freqs_t.size)),  # frame 0: the temporal part does not rotate
+            np.zeros((rows * cols, dim_t // 2)),  # frame 0: temporal angles are 0 whatever their frequencies
             i.reshape(-1, 1) * freqs_h,
             j.reshape(-1, 1) * freqs_w,
         ],
