@@ -1,0 +1,200 @@
+"""The text encoder against transformers (Qwen3 loaded the standard HF way) and diffusers' Anima text path."""
+
+from math import prod
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from diffusers.models import AnimaTextConditioner
+from diffusers.modular_pipelines.anima.encoders import AnimaTextEncoderStep
+from safetensors.torch import load_file
+from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3Model, T5TokenizerFast
+
+from anima_ui.commands.random_model import (
+    FULL_TEXT_ENCODER,
+    TextEncoderShape,
+    _write_text_encoder,
+    qwen3_param_shapes,
+    text_encoder_shape,
+    write_random_model,
+)
+from anima_ui.errors import UserError
+from anima_ui.model.checkpoint import load_dit, split_adapter
+from anima_ui.model.config import AnimaConfig
+from anima_ui.modelfiles import ModelPaths
+from anima_ui.text.encoder import TextEncoder
+from anima_ui.text.prompt_file import read_prompt_file
+from anima_ui.text.qwen3 import final_hidden_states, load_qwen3, qwen3_config_from_shapes
+
+PROMPT = "1girl, solo, long hair, looking at viewer, smile, cherry blossoms"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The tiny matrices gain nothing from threads, and on a loaded shared machine OpenMP's spinning
+    threads make each small matmul ~1000x slower; restore the setting for other test files."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return ModelPaths.find(write_random_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=9))
+
+
+@pytest.fixture(scope="module")
+def dit_state(paths):
+    return load_dit(paths.dit)[1]
+
+
+@pytest.fixture(scope="module")
+def encoder(paths, dit_state):
+    return TextEncoder.load(paths, split_adapter(dit_state))
+
+
+@pytest.fixture(scope="module")
+def hf_folder(paths, tmp_path_factory) -> Path:
+    """The same weights as a standard transformers checkpoint (config.json written by hand, save_pretrained)."""
+    te = text_encoder_shape("tiny", AnimaConfig.tiny().adapter_source_dim)
+    config = Qwen3Config(
+        vocab_size=te.vocab, hidden_size=te.hidden, intermediate_size=te.intermediate, num_hidden_layers=te.layers,
+        num_attention_heads=te.heads, num_key_value_heads=te.kv_heads, head_dim=te.head_dim, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=True,
+    )
+    model = Qwen3ForCausalLM(config)
+    weights = {k: v.float() for k, v in load_file(str(paths.text_encoder)).items()}
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    model.load_state_dict(weights, strict=True)
+    folder = tmp_path_factory.mktemp("hf_qwen3")
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_hidden_states_equal_transformers_loaded_the_standard_way(encoder, paths, hf_folder):
+    ids = encoder.tokenizer(PROMPT).qwen_ids
+    ours = final_hidden_states(load_qwen3(paths.text_encoder), ids)
+    causal_lm = Qwen3ForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
+    base = Qwen3Model.from_pretrained(hf_folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        last_hidden = causal_lm(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1].numpy()
+        last_state = base(torch.tensor([ids])).last_hidden_state.numpy()
+    assert ours.shape == (1, len(ids), AnimaConfig.tiny().adapter_source_dim) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, last_hidden, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours, last_state, rtol=1e-5, atol=1e-5)
+
+
+def test_context_equals_diffusers_anima_text_path(encoder, paths, hf_folder):
+    """diffusers tokenizes with masks and padding; for one non-empty prompt that is ComfyUI's result."""
+    components = SimpleNamespace(
+        tokenizer=Qwen2Tokenizer.from_pretrained(str(paths.qwen_tokenizer_dir)),
+        t5_tokenizer=T5TokenizerFast.from_pretrained(str(paths.t5_tokenizer_dir)),
+        text_encoder=Qwen3Model.from_pretrained(hf_folder, dtype=torch.float32).eval(),
+    )
+    cfg = AnimaConfig.tiny()
+    conditioner = AnimaTextConditioner(
+        source_dim=cfg.adapter_source_dim, target_dim=cfg.context_dim, model_dim=cfg.adapter_dim,
+        num_layers=cfg.adapter_layers, num_attention_heads=cfg.adapter_heads, target_vocab_size=cfg.adapter_vocab,
+    )
+    adapter = {k[len("net.llm_adapter."):]: v.float() for k, v in load_file(str(paths.dit)).items() if k.startswith("net.llm_adapter.")}
+    conditioner.load_state_dict(adapter, strict=True)
+    with torch.no_grad():
+        qwen, qwen_mask = AnimaTextEncoderStep._get_qwen_prompt_embeds(components, PROMPT, 512, "cpu", torch.float32)
+        t5_ids, t5_mask = AnimaTextEncoderStep._get_t5_prompt_ids(components, PROMPT, 512, "cpu")
+        expected = conditioner(qwen, t5_ids, target_attention_mask=t5_mask, source_attention_mask=qwen_mask).numpy()
+    assert t5_ids[0].tolist() == encoder.tokenizer(PROMPT).t5_ids
+    np.testing.assert_allclose(encoder.encode(PROMPT), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_context_shape_and_zero_beyond_the_t5_length(encoder):
+    for prompt in ["", PROMPT]:
+        context = encoder.encode(prompt)
+        length = len(encoder.tokenizer(prompt).t5_ids)
+        assert context.shape == (1, 512, AnimaConfig.tiny().context_dim) and context.dtype == np.float32
+        assert np.all(np.abs(context[0, :length]).sum(axis=-1) > 0)
+        assert not context[0, length:].any()
+
+
+def test_t5_weights_scale_the_adapter_output(encoder):
+    plain, weighted = encoder.encode("rain"), encoder.encode("(rain:2.0)")
+    n = len(encoder.tokenizer("rain").t5_ids) - 1  # the end token keeps weight 1
+    np.testing.assert_allclose(weighted[0, :n], 2 * plain[0, :n], rtol=1e-6)
+    np.testing.assert_array_equal(weighted[0, n:], plain[0, n:])
+
+
+def test_whole_dit_state_or_adapter_weights_give_the_same_encoder(paths, dit_state, encoder):
+    from_state = TextEncoder.load(paths, dit_state)
+    np.testing.assert_array_equal(from_state.encode(PROMPT), encoder.encode(PROMPT))
+
+
+def test_cache_reuses_recent_prompts_and_evicts_old_ones(paths, dit_state):
+    encoder = TextEncoder.load(paths, dit_state)
+    first = encoder.encode("negative")
+    assert encoder.encode("negative") is first
+    assert not first.flags.writeable
+    for i in range(4):
+        encoder.encode(f"prompt {i}")
+    again = encoder.encode("negative")
+    assert again is not first
+    np.testing.assert_array_equal(again, first)
+
+
+def test_too_long_prompt_is_one_line_error(encoder):
+    with pytest.raises(UserError) as excinfo:
+        encoder.encode("rain, " * 400)
+    assert "512" in str(excinfo.value) and "\n" not in str(excinfo.value)
+
+
+def test_config_is_inferred_from_full_size_shapes():
+    shapes = {k[len("model."):]: v for k, v in qwen3_param_shapes(FULL_TEXT_ENCODER).items()}
+    config = qwen3_config_from_shapes(shapes)
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (151936, 1024, 28)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size) == (16, 8, 128, 3072)
+    assert config.rope_parameters["rope_theta"] == 1_000_000.0
+    # anima_model.md §9: 310 tensors, 596,049,920 parameters
+    assert len(shapes) == 310 and sum(prod(s) for s in shapes.values()) == 596_049_920
+
+
+def test_text_encoder_narrower_than_the_adapter_is_refused(paths, dit_state, tmp_path):
+    narrow = TextEncoderShape(vocab=512, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=64, endoftext_id=448)
+    _write_text_encoder(tmp_path / "te.safetensors", narrow, seed=0)
+    other = ModelPaths(**{**paths.__dict__, "text_encoder": tmp_path / "te.safetensors"})
+    with pytest.raises(UserError, match="does not match the adapter"):
+        TextEncoder.load(other, dit_state)
+
+
+def test_text_encoder_missing_a_tensor_is_named(tmp_path):
+    te = TextEncoderShape(vocab=512, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64, endoftext_id=448)
+    path = tmp_path / "te.safetensors"
+    _write_text_encoder(path, te, seed=0)
+    weights = load_file(str(path))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    from safetensors.torch import save_file
+
+    save_file(weights, str(path))
+    with pytest.raises(UserError, match="model.layers.1.mlp.up_proj.weight"):
+        load_qwen3(path)
+
+
+def test_prompt_file_reads_utf8_and_drops_the_final_newline(tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_bytes("\ufeff1girl, 雨, (smile:1.2)\n".encode("utf-8"))
+    assert read_prompt_file(path) == "1girl, 雨, (smile:1.2)"
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "latin1"])
+def test_unreadable_prompt_file_is_one_line_error(tmp_path, case):
+    path = tmp_path / "prompt.txt"
+    if case == "directory":
+        path.mkdir()
+    elif case == "latin1":
+        path.write_bytes("café".encode("latin-1"))
+    with pytest.raises(UserError) as excinfo:
+        read_prompt_file(path)
+    message = str(excinfo.value)
+    assert str(path) in message and "\n" not in message
+    if case == "latin1":
+        assert "UTF-8" in message
