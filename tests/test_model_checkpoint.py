@@ -34,6 +34,13 @@ def test_from_shapes_names_a_missing_anchor_tensor():
         AnimaConfig.from_shapes(shapes)
 
 
+def test_from_shapes_rejects_a_head_dim_that_does_not_divide_the_width():
+    shapes = dit_param_shapes(AnimaConfig.tiny())
+    shapes["blocks.0.self_attn.q_norm.weight"] = (48,)
+    with pytest.raises(UserError, match="do not divide"):
+        AnimaConfig.from_shapes(shapes)
+
+
 def test_split_adapter_strips_the_prefix(tiny_state):
     adapter = split_adapter(tiny_state)
     assert len(adapter) == 2 * 19 + 4

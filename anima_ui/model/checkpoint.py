@@ -145,8 +145,10 @@ def _tensor(path: Path, raw: np.memmap, data_start: int, key: str, entry: dict, 
     if stored is None:
         raise UserError(f"{path.name}: tensor {key!r} is {entry['dtype']}; only BF16, F16 and F32 files are supported")
     begin, end = entry["data_offsets"]
+    if end - begin != int(np.prod(entry["shape"])) * np.dtype(stored).itemsize:
+        raise UserError(f"{path.name}: tensor {key!r} has a damaged header entry (size does not match its shape); re-download the file")
     values = raw[data_start + begin:data_start + end].view(stored).reshape(entry["shape"])
     if entry["dtype"] == "BF16":
         # bf16 is the top half of a float32
-        values = (values.astype(np.uint32) << 16).view(np.float32)
-    return np.ascontiguousarray(values, dtype=dtype)
+        return (values.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)
+    return np.array(values, dtype=dtype)  # a copy: never hand out views of the read-only file map

@@ -80,6 +80,8 @@ class AnimaConfig:
         head_dim = shape("blocks.0.self_attn.q_norm.weight")[0]
         adapter_dim = shape("llm_adapter.out_proj.weight")[1]  # [target, model]
         adapter_head_dim = shape("llm_adapter.blocks.0.self_attn.q_norm.weight")[0]
+        if width % head_dim or adapter_dim % adapter_head_dim:
+            raise UserError(f"not an Anima diffusion model: head dims {head_dim}/{adapter_head_dim} do not divide widths {width}/{adapter_dim}")
         return cls(
             num_blocks=_count_indices(shapes, r"blocks\.(\d+)\."),
             width=width,
