@@ -31,6 +31,9 @@ void log_to_stderr(enum sd_log_level_t level, const char* text, void*) {
     }
 }
 
+// sd.cpp draws a progress bar on stdout unless a progress callback is set.
+void ignore_progress(int, int, float, void*) {}
+
 struct AnimaVae {
     ggml_backend_t backend = nullptr;
     std::shared_ptr<WAN::WanVAERunner> runner;
@@ -69,6 +72,7 @@ const char* anima_vae_last_error() {
 void* anima_vae_load(const char* path, int threads, int weight_type) {
     last_error.clear();
     sd_set_log_callback(log_to_stderr, nullptr);
+    sd_set_progress_callback(ignore_progress, nullptr);
 
     ModelLoader loader;
     if (!loader.init_from_file(path, "vae.")) {

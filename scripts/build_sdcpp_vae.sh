@@ -19,7 +19,7 @@ fi
 
 mkdir -p "$SRC_ROOT"
 if [[ ! -d "$SDCPP_DIR" ]]; then
-    python3 -m pip download --no-binary :all: --no-deps --dest "$SRC_ROOT" \
+    "${PYTHON:-python3}" -m pip download --no-binary :all: --no-deps --dest "$SRC_ROOT" \
         "stable-diffusion-cpp-python==$SDIST_VERSION"
     tar -xzf "$SRC_ROOT/stable_diffusion_cpp_python-$SDIST_VERSION.tar.gz" -C "$SRC_ROOT"
 fi

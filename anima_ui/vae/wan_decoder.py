@@ -17,17 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from anima_ui.errors import UserError
+from anima_ui.vae.latent import SCALE, Z_DIM, check_latent, model_to_vae_space, to_uint8
 
-Z_DIM = 16
 DIM_MULT = (1, 2, 4, 4)
 NUM_RES_BLOCKS = 2
-SCALE = 8  # pixels per latent pixel
-
-# Wan-2.1 latent normalisation (spec §8.2): model space = (raw - mean) / std
-LATENTS_MEAN = np.array([-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-                         0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921], np.float32)
-LATENTS_STD = np.array([2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-                        3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160], np.float32)
 
 
 # ---------------------------------------------------------------- key layout of the official file
@@ -132,7 +125,7 @@ def decoder_param_shapes(base_dim: int = 96) -> dict[str, tuple]:
 
 def random_vae_state(base_dim: int = 96, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights for every key: convs ~ N(0, 1/fan_in) so activations keep their scale,
-    norm gammas 1 + small noise, biases small; the output head is scaled so images are not saturated."""
+    norm gammas 1 + small noise, biases small."""
     rng = np.random.default_rng(seed)
     state = {}
     for name, shape in vae_param_shapes(base_dim).items():
@@ -143,8 +136,6 @@ def random_vae_state(base_dim: int = 96, seed: int = 0) -> dict[str, np.ndarray]
         else:
             fan_in = int(np.prod(shape[1:]))
             value = rng.standard_normal(shape) / np.sqrt(fan_in)
-            if name == "decoder.head.2.weight":
-                value *= 0.3
         state[name] = value.astype(np.float32)
     return state
 
@@ -251,27 +242,6 @@ class WanDecoder:
     def decode(self, latent: np.ndarray, tiled: bool = False, tile: int = 32, overlap: float = 0.5) -> np.ndarray:
         """Model-space latent [1,16,h,w] -> uint8 RGB [8h, 8w, 3]."""
         return to_uint8(self.decode_float(latent, tiled, tile, overlap))
-
-
-# ---------------------------------------------------------------- latents and pixels
-
-def check_latent(latent: np.ndarray) -> np.ndarray:
-    latent = np.asarray(latent)
-    if latent.ndim != 4 or latent.shape[:2] != (1, Z_DIM):
-        raise UserError(f"latent has shape {latent.shape}, expected [1, 16, h, w]; pass the sampler's final latent")
-    if not np.isfinite(latent).all():
-        raise UserError("latent contains NaN or Inf: the sampler diverged; lower CFG or change the seed and retry")
-    return np.ascontiguousarray(latent, dtype=np.float32)
-
-
-def model_to_vae_space(latent: np.ndarray) -> np.ndarray:
-    """ComfyUI's Wan21.process_out: the one conversion between the sampler's space and the VAE's."""
-    return latent * LATENTS_STD.reshape(1, -1, 1, 1) + LATENTS_MEAN.reshape(1, -1, 1, 1)
-
-
-def to_uint8(image: np.ndarray) -> np.ndarray:
-    """[0,1] floats -> uint8 with sd.cpp's rounding (x*255 + 0.5, truncated)."""
-    return (np.clip(image, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
 # ---------------------------------------------------------------- sd.cpp tiling
