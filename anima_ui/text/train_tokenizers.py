@@ -97,9 +97,9 @@ T5_SPECIALS = ["<pad>", "</s>", "<unk>"]
 T5_EXTRA_IDS = 100
 
 
-def write_t5_tokenizer(folder: Path, vocab_rows: int, unigram_vocab_size: int = 1000) -> int:
+def write_t5_tokenizer(folder: Path, vocab_rows: int, unigram_vocab_size: int = 1000) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json. All ids stay below
-    `vocab_rows` (the adapter's T5 embedding rows). Returns the number of ids used."""
+    `vocab_rows` (the adapter's T5 embedding rows)."""
     pieces = min(unigram_vocab_size, vocab_rows - T5_EXTRA_IDS)
     tokenizer = Tokenizer(Unigram())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -136,7 +136,6 @@ def write_t5_tokenizer(folder: Path, vocab_rows: int, unigram_vocab_size: int = 
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     special_map = {"additional_special_tokens": sentinels, "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
     (folder / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2), encoding="utf-8")
-    return used
 
 
 def _added_token(content: str) -> dict:
