@@ -20,7 +20,7 @@ from anima_ui.runtime.manifest import GraphEntry
 class Backend:
     name = ""
     graph_format = "onnx"  # which manifest format this backend runs
-    host_seconds_per_visit = 0.0  # host time the simulated board adds between visits; 0 = real host
+
 
     def __init__(self):
         self._open_lock = threading.Lock()
@@ -29,6 +29,9 @@ class Backend:
     def _opened(self, delta: int) -> None:
         with self._open_lock:
             self.open_count += delta
+
+    def simulate_host(self, seconds_since_last_visit: float) -> None:
+        """Called by the executor between two visits; only the simulated board adds host time."""
 
     def input_dtype(self, entry: GraphEntry, index: int) -> np.dtype:
         return np.dtype(entry.inputs[index].dtype)
@@ -67,6 +70,8 @@ class OnnxBackend(Backend):
         # The arena keeps freed activation buffers for reuse; with a fresh session per visit it only
         # holds memory a released context should have given back.
         options.enable_cpu_mem_arena = False
+        # Spinning worker threads would take the cores the prefetch thread needs for the next session.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = self._ort.InferenceSession(loaded, options, providers=["CPUExecutionProvider"])
         self._opened(+1)
         return session
@@ -82,29 +87,55 @@ class OnnxBackend(Backend):
 
 class SimulatedBoard(OnnxBackend):
     """onnxruntime numbers at RK3588 speed: each phase is padded with a sleep up to the board's time
-    for it (board_latency.py) times `time_scale`, so `time_scale=0.01` runs a 20-step job in seconds."""
+    for it (board_latency.py) times `time_scale`, so `time_scale=0.01` runs a 20-step job in seconds.
+
+    keep_sessions: create each onnxruntime session once and reuse it. The board's init cost is already
+    the table's; building a session on top of it is CPU work (holding the GIL) the board does not do,
+    which slows the caller's thread while a prefetch runs. Use it for small graphs: it keeps all 84.
+
+    Scaled runs keep a simulated clock per thread: when a sleep wakes late, or real work outlasts its
+    phase, the excess is owed and taken off the next pads, so totals stay on the table's schedule on a
+    busy machine (each phase still lasts at least its real work)."""
 
     name = "sim"
 
-    def __init__(self, time_scale: float = 1.0, threads: int = 0):
+    def __init__(self, time_scale: float = 1.0, threads: int = 0, keep_sessions: bool = False):
         super().__init__(threads)
         self.time_scale = time_scale
-        self.host_seconds_per_visit = board_latency.host_seconds_per_visit() * time_scale
+        self.host_seconds_per_visit = board_latency.host_seconds_per_visit()  # board seconds
+        self.keep_sessions = keep_sessions
+        self._sessions = {}
+        self._clock = threading.local()  # .owed: seconds this thread is behind the table's schedule
 
     def _pad(self, started: float, board_seconds: float) -> None:
-        remaining = board_seconds * self.time_scale - (time.perf_counter() - started)
+        owed = getattr(self._clock, "owed", 0.0)
+        remaining = board_seconds * self.time_scale - (time.perf_counter() - started) - owed
         if remaining > 0:
+            before = time.perf_counter()
             time.sleep(remaining)
+            self._clock.owed = time.perf_counter() - before - remaining
+        else:
+            self._clock.owed = -remaining
+
+    def simulate_host(self, seconds_since_last_visit):
+        self._pad(time.perf_counter() - seconds_since_last_visit, self.host_seconds_per_visit)
 
     def load(self, folder, entry):
         started = time.perf_counter()
-        loaded = super().load(folder, entry)
+        loaded = entry.file if entry.file in self._sessions else super().load(folder, entry)
         self._pad(started, board_latency.phase_seconds(entry.kind)["load"])
         return loaded
 
     def init(self, loaded, entry):
         started = time.perf_counter()
-        session = super().init(loaded, entry)
+        if self.keep_sessions:
+            if entry.file not in self._sessions:
+                self._sessions[entry.file] = super().init(loaded, entry)
+                self._opened(-1)  # counted once per context below, not per kept session
+            session = self._sessions[entry.file]
+            self._opened(+1)
+        else:
+            session = super().init(loaded, entry)
         self._pad(started, board_latency.phase_seconds(entry.kind)["init"])
         return session
 
@@ -179,11 +210,12 @@ class RknnLiteBackend(Backend):
         self._opened(-1)
 
 
-def make_backend(name: str, time_scale: float = 1.0, core_mask: str = "auto", threads: int = 0) -> Backend:
+def make_backend(name: str, time_scale: float = 1.0, core_mask: str = "auto", threads: int = 0,
+                 keep_sessions: bool = False) -> Backend:
     if name == "onnx":
         return OnnxBackend(threads)
     if name == "sim":
-        return SimulatedBoard(time_scale, threads)
+        return SimulatedBoard(time_scale, threads, keep_sessions)
     if name == "rknn":
         return RknnLiteBackend(core_mask)
     raise UserError(f"unknown runtime backend {name!r}: choose onnx, sim or rknn")

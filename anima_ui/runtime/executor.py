@@ -133,10 +133,8 @@ class BranchRuntime:
     def _account_host_gap(self) -> None:
         if self._last_return is None:
             return
-        gap = time.perf_counter() - self._last_return
         # The simulated board also charges the board's host work (AdaLN, residual, ... on the A76 cores).
-        if self.backend.host_seconds_per_visit > gap:
-            time.sleep(self.backend.host_seconds_per_visit - gap)
+        self.backend.simulate_host(time.perf_counter() - self._last_return)
         self._count("host", time.perf_counter() - self._last_return)
 
     def _count(self, name: str, value: float) -> None:
@@ -316,11 +314,12 @@ class BranchRuntime:
 
 def open_runtime(backend, graphs_dir, prefetch: bool = True, max_contexts: int = 2, mem_floor_gib: float = 1.5,
                  cancel: threading.Event | None = None, time_scale: float = 1.0, core_mask: str = "auto",
-                 gate_wait_seconds: float = 30.0, threads: int = 0) -> BranchRuntime:
+                 gate_wait_seconds: float = 30.0, threads: int = 0, keep_sessions: bool = False) -> BranchRuntime:
     """A run_branch callable over the graphs in `graphs_dir` (an exported ONNX folder for onnx/sim, a
-    converted RKNN folder for rknn). `backend` is "onnx" | "sim" | "rknn" or a Backend instance."""
+    converted RKNN folder for rknn). `backend` is "onnx" | "sim" | "rknn" or a Backend instance.
+    time_scale and keep_sessions are the simulated board's, core_mask the RKNN-Lite one's."""
     if isinstance(backend, str):
-        backend = make_backend(backend, time_scale=time_scale, core_mask=core_mask, threads=threads)
+        backend = make_backend(backend, time_scale=time_scale, core_mask=core_mask, threads=threads, keep_sessions=keep_sessions)
     manifest = Manifest.read(graphs_dir)
     if manifest.format != backend.graph_format:
         raise UserError(
