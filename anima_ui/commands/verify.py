@@ -1,0 +1,105 @@
+"""`anima-ui verify --models DIR --backend onnx|sim|rknn [--width W --height H]`: the correctness gate.
+
+Runs one CFG forward (batch 2: two different contexts) through the split runtime and through the
+reference, and compares the residual stream after every block and the final prediction: cosine, MAE,
+max abs error, NaN/Inf count. Exit 0 when every cosine reaches the threshold (0.99999 for fp32 graphs,
+0.9999 for FP16/RKNN graphs) and nothing is NaN/Inf, else 1. The last line is one JSON object.
+
+The reference is the torch forward on this machine; on a board, `--reference onnx` compares against the
+exported fp32 ONNX graphs run by onnxruntime instead (as the blog's 28-block check did)."""
+
+import json
+import sys
+
+import numpy as np
+
+from anima_ui.errors import UserError
+
+FP32_MIN_COSINE = 0.99999
+FP16_MIN_COSINE = 0.9999
+
+
+def add_arguments(parser):
+    parser.add_argument("--models", required=True, help="model folder in the official layout")
+    parser.add_argument("--backend", choices=("onnx", "sim", "rknn"), required=True)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--reference", choices=("torch", "onnx"), default="torch",
+                        help="torch: the float32 torch forward; onnx: the exported fp32 graphs (for a board)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-scale", type=float, default=0.001, help="sim only: fraction of the board's latencies")
+    parser.add_argument("--no-prefetch", action="store_true")
+
+
+def compare(split: np.ndarray, reference: np.ndarray) -> dict:
+    a, b = split.astype(np.float64).ravel(), reference.astype(np.float64).ravel()
+    finite = np.isfinite(a)
+    a = np.where(finite, a, 0.0)
+    return {
+        "cosine": float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300)),
+        "mae": float(np.abs(a - b).mean()),
+        "max_abs": float(np.abs(a - b).max()),
+        "nonfinite": int((~finite).sum()),
+    }
+
+
+def graphs_for(paths, config, weights, backend: str, width: int, height: int):
+    """The graphs folder the backend runs; ONNX graphs are exported on first use, RKNN ones must exist."""
+    if backend == "rknn":
+        folder = paths.rknn_dir(width, height)
+        if not (folder / "manifest.json").is_file():
+            raise UserError(f"no RKNN graphs in {folder}: run `anima-ui export` and `anima-ui convert-rknn` for {width}x{height} first")
+        return folder
+    folder = paths.exported_dir(width, height)
+    if not (folder / "manifest.json").is_file():
+        from anima_ui.convert.export import export_graphs
+
+        print(f"exporting the ONNX graphs for {width}x{height} into {folder} ...", file=sys.stderr, flush=True)
+        export_graphs(paths, config, weights, width, height, folder)
+    return folder
+
+
+def run(args) -> int:
+    from anima_ui.model.checkpoint import load_dit
+    from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope, reference_forward
+    from anima_ui.modelfiles import ModelPaths
+    from anima_ui.runtime import open_runtime
+
+    paths = ModelPaths.find(args.models)
+    config, weights = load_dit(paths.dit)
+    graphs = graphs_for(paths, config, weights, args.backend, args.width, args.height)
+
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal((2, config.latent_channels, args.height // 8, args.width // 8)).astype(np.float32)
+    sigma = np.array([0.6, 0.6], np.float32)
+    context = rng.standard_normal((2, config.context_len, config.context_dim)).astype(np.float32)
+    kv, rope = prepare_kv(weights, context), prepare_rope(config, args.height // 8, args.width // 8)
+
+    def collector(store):
+        return lambda i, residual: store.append(residual.copy())
+
+    split_blocks, reference_blocks = [], []
+    options = {"prefetch": not args.no_prefetch, "time_scale": args.time_scale}
+    with open_runtime(args.backend, graphs, **options) as runtime:
+        split = dit_forward(weights, runtime, x, sigma, kv, rope, on_block=collector(split_blocks))
+        manifest = runtime.manifest
+    if args.reference == "torch":
+        reference = reference_forward(weights, x, sigma, context, on_block=collector(reference_blocks))
+    else:
+        with open_runtime("onnx", graphs_for(paths, config, weights, "onnx", args.width, args.height)) as onnx_runtime:
+            reference = dit_forward(weights, onnx_runtime, x, sigma, kv, rope, on_block=collector(reference_blocks))
+
+    rows = [(f"block {i}", compare(s, r)) for i, (s, r) in enumerate(zip(split_blocks, reference_blocks))]
+    rows.append(("final prediction", compare(split, reference)))
+    threshold = FP32_MIN_COSINE if manifest.format == "onnx" and manifest.dtype == "fp32" else FP16_MIN_COSINE
+    print(f"split {args.backend} ({manifest.format} {manifest.dtype}, batch-{manifest.batch} graphs) vs {args.reference} reference, "
+          f"{args.width}x{args.height}, CFG batch 2")
+    print(f"{'':>17} {'cosine':>12} {'MAE':>11} {'max abs err':>12} {'NaN/Inf':>8}")
+    for name, m in rows:
+        print(f"{name:>17} {m['cosine']:12.9f} {m['mae']:11.3e} {m['max_abs']:12.3e} {m['nonfinite']:8d}")
+    min_cosine = min(m["cosine"] for _, m in rows)
+    nonfinite = sum(m["nonfinite"] for _, m in rows)
+    passed = min_cosine >= threshold and nonfinite == 0
+    print(json.dumps({"backend": args.backend, "min_cosine": min_cosine, "final_cosine": rows[-1][1]["cosine"],
+                      "threshold": threshold, "nonfinite": nonfinite, "passed": passed}))
+    return 0 if passed else 1
