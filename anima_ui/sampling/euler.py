@@ -40,9 +40,9 @@ def euler_steps(
         if computed:
             x0 = np.asarray(predict_x0(x, sigma), dtype=np.float32)
             if spectrum is not None:
-                spectrum.update(x0)
+                spectrum.update(x0, x, sigma)
         else:
-            x0 = spectrum.predict()
+            x0 = spectrum.predict(x, sigma)
         d = (x - x0) / sigma
         x = x + d * (sigma_next - sigma)
         yield StepInfo(index0=i, total=total, sigma=float(sigma), x=x, x0=x0, computed=computed)

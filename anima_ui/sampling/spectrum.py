@@ -7,7 +7,12 @@ polynomials T_0..T_m in τ = 2·call/50 − 1. Which steps are forecast is fixed
 always computed, then a window that starts at `window` and grows by `flex` after every computed call, and every call
 from ⌊stop·steps⌋ on is computed again.
 
-All arithmetic that sd.cpp does in float32 is done in float32 here, in the same order, so the forecasts match.
+All arithmetic that sd.cpp does in float32 is done in float32 here, in the same order, so the forecasts match
+(bit for bit against spectrum.hpp built without FMA contraction).
+
+`variant="velocity"` (not in sd.cpp) runs the identical fit and blend on the velocity v = (x − x0)/σ of the computed
+steps and returns x0 = x − σ·v̂. The fit shrinks what it forecasts by 6–11 % (the weights sum to 0.89–0.94); on x0
+that pulls the sample toward 0, on v it only slows one step. docs/spectrum_quality.md has the measurements.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 from anima_ui.errors import UserError
 
 DEFAULTS = {"w": 0.40, "m": 3, "lam": 1.0, "window": 2, "flex": 0.5, "warmup": 4, "stop": 0.9}
+VARIANTS = ("sdcpp", "velocity")
 MIN_HISTORY = 6  # sd.cpp keeps K = max(m + 1, 6) computed x0's
 TAU_CALLS = 50  # sd.cpp maps call indices 0..50 onto τ ∈ [−1, 1] whatever the step count
 MAX_DEGREE = 10
@@ -114,7 +120,7 @@ def chebyshev_weights(taus: list[np.float32], tau_target: np.float32, degree: in
     return np.array(weights, dtype=np.float32)
 
 
-def _check_params(steps, w, m, lam, window, flex, warmup, stop) -> None:
+def _check_params(steps, w, m, lam, window, flex, warmup, stop, variant) -> None:
     def whole(value) -> bool:
         return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
@@ -130,6 +136,7 @@ def _check_params(steps, w, m, lam, window, flex, warmup, stop) -> None:
         (number(flex) and flex >= 0.0, f"Spectrum flex (window growth) must be 0 or more, got {flex!r}"),
         (whole(warmup) and warmup >= 0, f"Spectrum warmup must be a whole number of steps, 0 or more, got {warmup!r}"),
         (number(stop) and 0.0 <= stop <= 1.0, f"Spectrum stop must be a fraction between 0 and 1, got {stop!r}"),
+        (variant in VARIANTS, f"Spectrum variant must be one of {', '.join(VARIANTS)}, got {variant!r}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -139,21 +146,23 @@ def _check_params(steps, w, m, lam, window, flex, warmup, stop) -> None:
 class Spectrum:
     """sd.cpp's `SpectrumState` for one generation of `steps` denoiser calls (Euler: one call per step).
 
-    Per call the sampler asks `should_predict()`; if True it uses `predict()` instead of the model, otherwise it runs
-    the model and hands the x0 to `update(x0)`. Only computed x0's enter the history.
+    Per call the sampler asks `should_predict()`; if True it uses `predict(x, sigma)` instead of the model, otherwise
+    it runs the model and hands the x0 to `update(x0, x, sigma)`. Only computed steps enter the history. x and sigma
+    (the step's input latent and noise level) are needed by the velocity variant only.
     """
 
-    def __init__(self, steps: int, w=0.40, m=3, lam=1.0, window=2, flex=0.5, warmup=4, stop=0.9):
-        _check_params(steps, w, m, lam, window, flex, warmup, stop)
+    def __init__(self, steps: int, w=0.40, m=3, lam=1.0, window=2, flex=0.5, warmup=4, stop=0.9, variant="sdcpp"):
+        _check_params(steps, w, m, lam, window, flex, warmup, stop, variant)
         self.steps = int(steps)
         self.w, self.m, self.lam = float(w), int(m), float(lam)
         self.flex, self.warmup = float(flex), int(warmup)
+        self.variant = variant
         self.history_size = max(self.m + 1, MIN_HISTORY)
         self.stop_step = int(F32(stop) * F32(steps))  # (int)(stop_percent * (float)total_steps)
         self.calls = 0  # denoiser calls so far, computed or forecast (sd.cpp `cnt`)
         self.forecasts_in_a_row = 0  # sd.cpp `num_cached`
         self.window = F32(window)  # sd.cpp `curr_ws`, a float that grows by flex
-        self.history: list[np.ndarray] = []  # computed x0's, oldest first
+        self.history: list[np.ndarray] = []  # the forecast quantity (x0, or v) of computed steps, oldest first
         self.history_taus: list[np.float32] = []
         self.forecasts = 0
 
@@ -167,9 +176,13 @@ class Spectrum:
         window = max(1, math.floor(self.window))
         return (self.forecasts_in_a_row + 1) % window != 0
 
-    def update(self, x0: np.ndarray) -> None:
-        """Record a computed x0 (a float32 copy) and advance the counters."""
-        self.history.append(np.array(x0, dtype=np.float32, copy=True))
+    def update(self, x0: np.ndarray, x: np.ndarray | None = None, sigma: float | None = None) -> None:
+        """Record a computed step (a float32 copy) and advance the counters."""
+        if self.variant == "velocity":
+            tracked = (_require(x, "x") - x0) / F32(_require(sigma, "sigma"))
+        else:
+            tracked = np.array(x0, dtype=np.float32, copy=True)
+        self.history.append(tracked.astype(np.float32, copy=False))
         self.history_taus.append(tau(self.calls))
         del self.history[: -self.history_size], self.history_taus[: -self.history_size]
         if self.calls >= self.warmup:
@@ -181,11 +194,20 @@ class Spectrum:
         """The Chebyshev weights ω over the history (oldest first) for the current call."""
         return chebyshev_weights(self.history_taus, tau(self.calls), self.m, self.lam)
 
-    def predict(self) -> np.ndarray:
+    def predict(self, x: np.ndarray | None = None, sigma: float | None = None) -> np.ndarray:
         """The forecast x0 for the current call (float32, shape of the history), and advance the counters."""
         if len(self.history) < 2:
             raise RuntimeError("Spectrum.predict() needs two computed steps; ask should_predict() first")
-        weights = self.weights()
+        forecast = self._blend(self.weights())
+        if self.variant == "velocity":
+            forecast = _require(x, "x") - F32(_require(sigma, "sigma")) * forecast
+        self.forecasts_in_a_row += 1
+        self.forecasts += 1
+        self.calls += 1
+        return forecast
+
+    def _blend(self, weights: np.ndarray) -> np.ndarray:
+        """(1 − w)·Taylor + w·Chebyshev, element by element in sd.cpp's float32 order."""
         w_cheb = F32(self.w)
         w_taylor = F32(1.0) - w_cheb
         chebyshev = np.zeros_like(self.history[0])
@@ -193,28 +215,32 @@ class Spectrum:
             chebyshev += weight * h
         last, previous = self.history[-1], self.history[-2]
         taylor = last + F32(0.5) * (last - previous)
-        forecast = w_taylor * taylor + w_cheb * chebyshev
-        self.forecasts_in_a_row += 1
-        self.forecasts += 1
-        self.calls += 1
-        return forecast
+        return w_taylor * taylor + w_cheb * chebyshev
+
+
+def _require(value, name):
+    if value is None:
+        raise ValueError(f"the velocity variant of Spectrum needs {name} (the step's input latent and sigma)")
+    return value
 
 
 def plan(steps: int, **params) -> tuple[list[int], list[int]]:
     """Which steps (1-based) a `Spectrum(steps, **params)` run computes and which it forecasts.
 
-    Runs the real state object on a one-element stand-in x0, so the plan cannot drift from the sampler's behaviour.
+    Runs the real state object on a one-element stand-in latent, so the plan cannot drift from the sampler's
+    behaviour. The variant does not change the plan.
     """
-    unknown = sorted(set(params) - set(DEFAULTS))
+    unknown = sorted(set(params) - set(DEFAULTS) - {"variant"})
     if unknown:
-        raise UserError(f"unknown Spectrum parameter(s) {', '.join(unknown)}: use {', '.join(DEFAULTS)}")
+        raise UserError(f"unknown Spectrum parameter(s) {', '.join(unknown)}: use {', '.join(DEFAULTS)} or variant")
     spectrum = Spectrum(steps, **params)
+    stand_in = np.zeros(1, dtype=np.float32)
     computed, forecast = [], []
     for step in range(1, steps + 1):
         if spectrum.should_predict():
-            spectrum.predict()
+            spectrum.predict(stand_in, 1.0)
             forecast.append(step)
         else:
-            spectrum.update(np.zeros(1, dtype=np.float32))
+            spectrum.update(stand_in, stand_in, 1.0)
             computed.append(step)
     return computed, forecast
