@@ -273,9 +273,9 @@ class App:
                     dice = gr.Button("🎲", scale=1, min_width=0, elem_id="dice")
                     recycle = gr.Button("♻️", scale=1, min_width=0, elem_id="recycle")
                 with gr.Row():
-                    cfg = gr.Number(label="CFG", value=4.0, minimum=0, maximum=30, step=0.5, min_width=0, elem_id="cfg")
-                    steps = gr.Number(label="Steps", value=4 if config.demo else 30, precision=0, minimum=1,
-                                      maximum=200, min_width=0, elem_id="steps")
+                    # No minimum/maximum: Gradio would answer out-of-range values with a toast; build_request says it inline.
+                    cfg = gr.Number(label="CFG", value=4.0, step=0.5, min_width=0, elem_id="cfg")
+                    steps = gr.Number(label="Steps", value=4 if config.demo else 30, min_width=0, elem_id="steps")
                 size = gr.Dropdown(self.sizes, value=self.sizes[0] if self.sizes else None, label="Size (width x height)",
                                    allow_custom_value=not self.strict_sizes, elem_id="size")
                 spectrum = gr.Checkbox(label="Spectrum (forecast about half the steps)", value=False, elem_id="spectrum")

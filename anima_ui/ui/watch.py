@@ -34,7 +34,9 @@ def job_status(manager, job, label: str = "") -> str:
         left = f" · about {format_seconds(eta)} left" if eta is not None else ""
         return f"{prefix}▶️ **{what} · {format_seconds(job.elapsed)} elapsed{left}"
     if job.state == "done":
-        return f"{prefix}✅ **Done** in {format_seconds(job.elapsed)} · seed {job.request.seed} · {job.item.png_path.name}"
+        warning = job.item.summary.get("warning")
+        note = f"\n\n⚠️ {warning}" if warning else ""
+        return f"{prefix}✅ **Done** in {format_seconds(job.elapsed)} · seed {job.request.seed} · {job.item.png_path.name}{note}"
     if job.state == "cancelled":
         return f"{prefix}⏹️ **Cancelled** at step {job.step}/{job.total} · seed {job.request.seed}"
     return f"{prefix}❌ **Failed:** {job.error}"

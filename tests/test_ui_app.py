@@ -1,0 +1,225 @@
+"""The app driven through gradio_client, on the real pipeline with the tiny random-weight model."""
+
+import json
+import shutil
+import socket
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from gradio_client import Client, handle_file
+from PIL import Image
+
+from anima_ui.ui.app import App, AppConfig
+from test_jobs import make_tiny_model, torch_vae_decoder  # noqa: F401 -- an autouse fixture
+
+PRESETS = Path(__file__).parent.parent / "presets"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_app(models_dir, outputs_dir, presets_dir, **config):
+    port = free_port()
+    app = App(AppConfig(models_dir=models_dir, outputs_dir=outputs_dir, presets_dir=presets_dir, host="127.0.0.1",
+                        port=port, demo=True, preview_size=64, **config))
+    _, url, _ = app.launch(prevent_thread_lock=True, quiet=True)
+    return app, url
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    presets = tmp_path_factory.mktemp("presets")
+    for preset in PRESETS.glob("*.json"):
+        shutil.copy(preset, presets)
+    app, url = start_app(tiny_model, tmp_path_factory.mktemp("outputs"), presets)
+    yield app, url
+    app.close()
+
+
+@pytest.fixture
+def client(served):
+    return Client(served[1], verbose=False)
+
+
+def form(prompt="a red fox", seed="5", steps=3, size="64x64", spectrum=False, cfg=4.0, negative=""):
+    return [prompt, negative, seed, cfg, steps, size, spectrum, "projection"]
+
+
+def generate_and_watch(client, **kwargs):
+    session, message = client.predict(None, *form(**kwargs), api_name="/generate")
+    assert message == "", message
+    job = client.submit(session, api_name="/watch")
+    outputs = list(job)
+    return session, outputs, job.outputs()[-1]
+
+
+def test_generate_streams_previews_then_the_png_with_parameters(client, served):
+    session, outputs, final = generate_and_watch(client, prompt="a red fox", seed="4242", steps=4)
+    statuses = [o[1] for o in outputs]
+    assert any("step 4/4" in s for s in statuses) or any("step 3/4" in s for s in statuses), statuses
+    assert "Done" in final[1] and "seed 4242" in final[1]
+    previews = {Path(o[0]).name for o in outputs if isinstance(o[0], str) and o[0].endswith(".jpg")}
+    assert previews, "no preview was streamed"
+    with Image.open(final[0]) as png:  # the client downloads exactly the file the server saved
+        assert "Seed: 4242" in png.info["parameters"] and "Spectrum: off" in png.info["parameters"]
+    assert [caption for _, caption in [(g["image"], g["caption"]) for g in final[4]]][0].startswith("seed 4242")
+    assert session["last_seed"] == 4242
+
+
+def test_ten_users_at_once_are_served_in_order_without_overlap(served):
+    app, url = served
+    before = len(app.manager.run_log)
+    results, errors = [None] * 10, []
+    barrier = threading.Barrier(10)
+
+    def user(i):
+        try:
+            client = Client(url, verbose=False)
+            barrier.wait()
+            session, message = client.predict(None, *form(prompt=f"user {i}", seed=str(1000 + i), steps=1),
+                                              api_name="/generate")
+            results[i] = (session["jobs"][0], client.submit(session, api_name="/watch").result(timeout=300)[1])
+        except Exception as exc:  # noqa: BLE001 -- collected and reported by the assertion below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    job_ids = [r[0] for r in results]
+    assert all("Done" in r[1] for r in results), [r[1] for r in results]
+    runs = app.manager.run_log[before:]
+    assert sorted(run[0] for run in runs) == sorted(job_ids)  # none lost, none run twice
+    submitted = sorted(job_ids, key=app.manager._order.index)
+    assert [run[0] for run in runs] == submitted  # served in the order they were submitted
+    assert app.manager.max_active == 1
+    assert all(a[2] <= b[1] for a, b in zip(runs, runs[1:]))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"seed": "twelve"}, "seed must be a whole number"),
+    ({"steps": 0}, "steps must be a whole number from 1"),
+    ({"steps": None}, "steps must be a whole number"),
+    ({"size": "100000x100000"}, "width must be a multiple of 16"),
+    ({"size": "huge"}, "size must look like"),
+])
+def test_bad_input_gets_an_inline_message(client, served, overrides, message):
+    queued_before = len(served[0].manager._order)
+    session, text = client.predict({"jobs": [], "ab": None}, *form(**overrides), api_name="/generate")
+    assert text.startswith("⚠️") and message in text and "Traceback" not in text
+    assert session == {"jobs": [], "ab": None}  # the page keeps following what it followed
+    assert len(served[0].manager._order) == queued_before
+
+
+def test_empty_prompt_with_cfg_is_a_valid_job(client):
+    _, _, final = generate_and_watch(client, prompt="", cfg=7.0, seed="77", steps=2)
+    assert "Done" in final[1]
+
+
+def test_cancel_stops_the_running_job(client, served):
+    session, message = client.predict(None, *form(seed="66", steps=120, size="128x128"), api_name="/generate")
+    watcher = client.submit(session, api_name="/watch")
+    for output in watcher:
+        if "step" in output[1]:
+            break
+    assert "Stopping" in client.predict(session, api_name="/cancel")
+    final = client.submit(session, api_name="/watch").result(timeout=120)
+    assert "Cancelled" in final[1]
+    job = served[0].manager.get(session["jobs"][0])
+    assert job.state == "cancelled" and job.step < 120 and job.item is None
+
+
+def test_ab_runs_both_then_reuses_them_from_history(client, served):
+    values = form(prompt="ab fox", seed="808", steps=6)
+    session, message = client.predict(None, *values, api_name="/ab")
+    assert len(session["jobs"]) == 2 and message == ""
+    final = client.submit(session, api_name="/watch").result(timeout=300)
+    off, on = final[2]
+    assert Path(off).suffix == ".png" and Path(on).suffix == ".png"
+    assert "speed-up" in final[3] and "PSNR" in final[3] and "SSIM" in final[3]
+    with Image.open(off) as a, Image.open(on) as b:
+        assert "Spectrum: off" in a.info["parameters"] and "Spectrum: on" in b.info["parameters"]
+    again, message = client.predict(None, *values, api_name="/ab")
+    assert again["jobs"] == [] and "Reusing" in message
+    assert "SSIM" in client.submit(again, api_name="/watch").result(timeout=60)[3]
+
+
+def test_a_dropped_png_restores_its_settings(client, served):
+    item = served[0].history.items()[0]
+    restored = client.predict(handle_file(str(item.png_path)), api_name="/restore_png")
+    prompt, negative, seed, cfg, steps, size, spectrum, message = restored
+    s = item.settings
+    assert (prompt, seed, steps, size, spectrum) == (s["prompt"], str(s["seed"]), s["steps"],
+                                                     f"{s['width']}x{s['height']}", s["spectrum"])
+    assert "Restored" in message
+
+
+def test_a_png_without_parameters_is_refused_inline(client, tmp_path):
+    Image.new("RGB", (16, 16)).save(tmp_path / "plain.png")
+    restored = client.predict(handle_file(str(tmp_path / "plain.png")), api_name="/restore_png")
+    assert restored[-1].startswith("⚠️") and "no generation parameters" in restored[-1]
+
+
+def test_presets_apply_and_save(client, served):
+    applied = client.predict("draft", api_name="/apply_preset")
+    assert applied[3] == 16 and applied[5] is True and "draft" in applied[-1]
+    choices, message = client.predict("Night walk", "at night", "", 5.0, 7, "64x64", False, api_name="/save_preset")
+    assert "night-walk" in message
+    assert json.loads((served[0].config.presets_dir / "night-walk.json").read_text())["steps"] == 7
+
+
+def test_status_panel_reports_the_machine(client):
+    text = client.predict(api_name="/status")
+    assert "MemAvailable" in text and "PSS" in text and "Backend** torch" in text and "NPU contexts open" in text
+
+
+def test_watching_a_job_the_server_forgot(client):
+    final = client.predict({"jobs": ["0123456789ab"], "ab": None}, api_name="/watch")
+    assert "server restarted" in final[1]
+
+
+def test_api_does_not_bypass_the_queue(served):
+    request = urllib.request.Request(f"{served[1]}gradio_api/run/generate", data=b'{"data": []}',
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request)
+    assert info.value.code == 404
+
+
+def test_missing_model_page_and_failed_job(tmp_path):
+    app, url = start_app(tmp_path / "empty-models", tmp_path / "outputs", tmp_path / "presets")
+    try:
+        assert "missing" in app.missing or "does not exist" in app.missing
+        page = json.dumps(app.demo.config, default=str)
+        assert "The model is not ready" in page and "Download the official files" in page
+        assert "circlestone-labs/Anima/resolve/main/split_files/vae/qwen_image_vae.safetensors" in page
+        client = Client(url, verbose=False)
+        session, _ = client.predict(None, *form(), api_name="/generate")
+        final = client.predict(session, api_name="/watch")
+        assert "Failed" in final[1] and "does not exist" in final[1]
+        assert app.history.items() == []
+    finally:
+        app.close()
+
+
+def test_password_protects_the_app(tiny_model, tmp_path):
+    app, url = start_app(tiny_model, tmp_path / "outputs", tmp_path / "presets", password="meetup-pw")
+    try:
+        with pytest.raises(Exception, match="(?i)auth|login|401"):
+            Client(url, verbose=False)
+        assert "MemAvailable" in Client(url, auth=("anyone", "meetup-pw"), verbose=False).predict(api_name="/status")
+    finally:
+        app.close()
