@@ -207,3 +207,30 @@ def test_bad_parameters_raise_user_errors_naming_them(params, word):
 def test_plan_rejects_unknown_parameters():
     with pytest.raises(UserError, match="unknown Spectrum parameter"):
         plan(20, window_size=3)
+
+
+def test_velocity_variant_forecasts_v_with_the_same_fit_and_returns_x0():
+    rng = np.random.default_rng(11)
+    steps = 20
+    exact, velocity = Spectrum(steps), Spectrum(steps, variant="velocity")
+    sigmas = np.linspace(1.0, 0.5, 6, dtype=np.float32)
+    for sigma in sigmas[:4]:
+        x = rng.normal(size=(1, 16, 2, 2)).astype(np.float32)
+        x0 = rng.normal(size=(1, 16, 2, 2)).astype(np.float32)
+        exact.update((x - x0) / sigma)  # sd.cpp's state fed the velocities directly
+        velocity.update(x0, x, sigma)
+    x, sigma = rng.normal(size=(1, 16, 2, 2)).astype(np.float32), sigmas[4]
+    assert exact.should_predict() and velocity.should_predict()
+    np.testing.assert_allclose(velocity.predict(x, sigma), x - sigma * exact.predict(), rtol=1e-6, atol=1e-6)
+
+
+def test_velocity_variant_needs_the_latent_and_sigma():
+    spectrum = Spectrum(20, variant="velocity")
+    with pytest.raises(ValueError, match="needs x"):
+        spectrum.update(np.zeros(2, np.float32))
+
+
+def test_the_variant_does_not_change_the_plan_and_unknown_variants_are_refused():
+    assert plan(28, variant="velocity") == plan(28)
+    with pytest.raises(UserError, match="Spectrum variant"):
+        Spectrum(20, variant="vel")
