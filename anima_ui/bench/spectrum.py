@@ -9,7 +9,7 @@ random-weight Anima model (its outputs mean nothing as images; it checks the sam
 sampler, CFG batch and Spectrum wiring).
 
 Errors are measured against the full N-step run from the same seed: relative L2 of the final latent, and PSNR
-between the two latents' preview images (the 16×3 latent→RGB projection).
+between the two latents' preview images (the app's 16×3 latent→RGB projection, `latent_to_rgb`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
+from anima_ui.errors import UserError
 from anima_ui.sampling.cfg import cfg_combine
 from anima_ui.sampling.euler import sample_euler
 from anima_ui.sampling.noise import initial_noise
 from anima_ui.sampling.schedule import simple_sigmas
 from anima_ui.sampling.spectrum import Spectrum, plan
+from anima_ui.vae.preview import latent_to_rgb
 from anima_ui.vae.quality import psnr
 
 IMAGE_SIDE = 256  # → a [1, 16, 32, 32] latent
@@ -123,29 +125,10 @@ METHODS = {
 
 
 # -- measuring ------------------------------------------------------------------------------------------------------
-# sd.cpp's Wan-2.1 latent→RGB projection (src/runtime/latent-preview.h; spectrum_and_sdcpp.md §3.2). Stand-in until
-# anima_ui/vae/preview.py's latent_to_rgb exists.
-WAN21_RGB = np.array([
-    [0.015123, -0.148418, 0.479828], [0.003652, -0.010680, -0.037142], [0.212264, 0.063033, 0.016779],
-    [0.232999, 0.406476, 0.220125], [-0.051864, -0.082384, -0.069396], [0.085005, -0.161492, 0.010689],
-    [-0.245369, -0.506846, -0.117010], [-0.151145, 0.017721, 0.007207], [-0.293239, -0.207936, -0.421135],
-    [-0.187721, 0.050783, 0.177649], [-0.013067, 0.265964, 0.166578], [0.028327, 0.109329, 0.108642],
-    [-0.205343, 0.043991, 0.148914], [0.014307, -0.048647, -0.007219], [0.217150, 0.053074, 0.319923],
-    [0.155357, 0.083156, 0.064780],
-], dtype=np.float32)
-WAN21_RGB_BIAS = np.array([-0.270270, -0.234976, -0.456853], dtype=np.float32)
-
-
-def preview(latent: np.ndarray) -> np.ndarray:
-    """uint8 [h, w, 3]: clamp((z·P + b)·0.5 + 0.5, 0, 1)·255 per latent pixel."""
-    rgb = np.einsum("chw,cr->hwr", latent[0], WAN21_RGB) + WAN21_RGB_BIAS
-    return (np.clip(rgb * 0.5 + 0.5, 0.0, 1.0) * 255).astype(np.uint8)
-
-
 def errors(result: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
     """(relative L2 of the latent, preview PSNR in dB)."""
     rel = float(np.linalg.norm(result - reference) / np.linalg.norm(reference))
-    return rel, psnr(preview(result), preview(reference), peak=255.0)
+    return rel, psnr(latent_to_rgb(result), latent_to_rgb(reference), peak=255.0)
 
 
 def analytic_rows(steps_list, seeds: int, cfg: float, problem_seed: int) -> list[dict]:
@@ -194,7 +177,7 @@ def summary(values) -> str:
 
 def print_table(title: str, rows: list[dict]) -> None:
     print(title)
-    print(f"| steps | method | model evals | rel. L2 error, median [IQR] | preview PSNR dB, median [IQR] |")
+    print("| steps | method | model evals | rel. L2 error, median [IQR] | preview PSNR dB, median [IQR] |")
     print("|---|---|---|---|---|")
     for row in rows:
         rel = [e[0] for e in row["errors"]]
@@ -214,6 +197,8 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    if args.seeds < 1 or args.tiny_seeds < 0:
+        raise UserError("--seeds must be at least 1 and --tiny-seeds 0 or more")
     started = time.perf_counter()
     print_table(
         f"Analytic Gaussian-mixture flow (mixture seed {args.problem_seed}), latent [1,16,32,32], CFG {args.cfg}, "
@@ -223,8 +208,9 @@ def run(args) -> int:
     if args.tiny_seeds > 0:
         with tempfile.TemporaryDirectory() as scratch:
             models = Path(args.models) if args.models else _tiny_model(Path(scratch) / "tiny")
+            model = f"Anima model {args.models}" if args.models else "Tiny random-weight Anima model"
             print_table(
-                f"Tiny random-weight Anima model through Pipeline.generate (torch), 64x64, CFG {args.cfg}, "
+                f"{model} through Pipeline.generate (torch), 64x64, CFG {args.cfg}, "
                 f"{args.tiny_seeds} seeds; error vs the full {args.tiny_steps}-step run",
                 tiny_model_rows(models, args.tiny_steps, args.tiny_seeds, args.cfg),
             )
