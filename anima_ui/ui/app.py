@@ -30,7 +30,7 @@ document.addEventListener("visibilitychange", () => {
 });
 </script>"""
 CSS = """
-#view img { max-height: 72vh; object-fit: contain; }
+#view img { width: 100%; max-height: 72vh; object-fit: contain; }
 #status { min-height: 2.5em; }
 #big-view img { max-height: 88vh; }
 """
@@ -281,11 +281,11 @@ class App:
                 spectrum = gr.Checkbox(label="Spectrum (forecast about half the steps)", value=False, elem_id="spectrum")
                 preview_method = gr.Radio(["projection", "taew2_1"] if self.has_taesd else ["projection"],
                                           value="projection", label="Preview", elem_id="preview-method")
+                preset = gr.Dropdown(form.list_presets(config.presets_dir), value=None, label="Preset", elem_id="preset")
                 with gr.Row():
-                    preset = gr.Dropdown(form.list_presets(config.presets_dir), value=None, label="Preset",
-                                         scale=2, min_width=0, elem_id="preset")
-                    preset_name = gr.Textbox(label="Save current settings as", scale=2, min_width=0, elem_id="preset-name")
-                    save_preset = gr.Button("Save preset", scale=1, min_width=0, elem_id="save-preset")
+                    preset_name = gr.Textbox(label="Save current settings as preset", scale=3, min_width=0,
+                                             elem_id="preset-name")
+                    save_preset = gr.Button("Save", scale=1, min_width=0, elem_id="save-preset")
 
             with gr.Accordion("A/B: Spectrum off vs on", open=True, elem_id="ab-panel"):
                 ab_slider = gr.ImageSlider(label="Spectrum off | on", type="filepath", format="png", interactive=False,

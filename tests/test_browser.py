@@ -1,0 +1,174 @@
+"""The app in a real browser: Debian's chromium through Playwright (`executable_path`; never `playwright install`),
+on the tiny random-weight model, at a phone and a desktop viewport. Screenshots go to test-artifacts/."""
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from test_jobs import make_tiny_model, torch_vae_decoder  # noqa: F401 -- an autouse fixture
+from test_ui_app import start_app
+
+pytestmark = pytest.mark.browser
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
+PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 2, "is_mobile": True, "has_touch": True}
+DESKTOP = {"viewport": {"width": 1280, "height": 900}, "has_touch": True}
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+# Records every new src of an <img> inside #view with the page clock, so a test can see previews stream.
+RECORD_VIEW = """() => {
+  window.viewSources = [];
+  new MutationObserver(() => {
+    const img = document.querySelector('#view img');
+    const src = img && img.getAttribute('src');
+    if (src && src !== window.viewSources.at(-1)?.src) window.viewSources.push({src, t: performance.now()});
+  }).observe(document.body, {subtree: true, childList: true, attributes: true, attributeFilter: ['src']});
+}"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    return tmp_path_factory.mktemp("outputs")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, outputs, tmp_path_factory):
+    app, url = start_app(tiny_model, outputs, tmp_path_factory.mktemp("presets"))
+    yield app, url
+    app.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.fail("chromium is not installed: apt-get install chromium (scripts/setup.sh does)")
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield browser
+        browser.close()
+
+
+def open_page(browser, url, device):
+    page = browser.new_context(**device).new_page()
+    page.goto(url)
+    page.wait_for_selector("#go")
+    page.evaluate(RECORD_VIEW)
+    return page
+
+
+def fill_form(page, prompt, seed, steps):
+    page.fill("#prompt textarea", prompt)
+    page.click("#settings .label-wrap")
+    page.fill("#seed textarea", str(seed))
+    page.fill("#steps input", str(steps))
+
+
+def wait_status(page, text, timeout=120):
+    page.wait_for_function(f"document.querySelector('#status').innerText.includes({text!r})", timeout=timeout * 1000)
+
+
+def shot(page, name):
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+@pytest.mark.parametrize("device_name", ["phone", "desktop"])
+def test_generate_streams_previews_then_the_final_png(browser, served, device_name):
+    device = PHONE if device_name == "phone" else DESKTOP
+    page = open_page(browser, served[1], device)
+    seed = 5100 + len(device_name)
+    fill_form(page, f"a fox in snow ({device_name})", seed, 8)
+    clicked = page.evaluate("performance.now()")
+    page.tap("#go") if device.get("is_mobile") else page.click("#go")
+    wait_status(page, f"seed {seed}")
+    assert "Done" in page.inner_text("#status")
+    sources = page.evaluate("window.viewSources")
+    previews = [s for s in sources if s["src"].endswith(".jpg")]
+    assert len(previews) >= 2, sources  # several steps were drawn, not just the end
+    assert sources[-1]["src"].endswith(".png")
+    first_preview = (previews[0]["t"] - clicked) / 1000
+    print(f"\n[{device_name}] click to first preview: {first_preview:.2f} s; "
+          f"{len(previews)} previews drawn of 8 steps; click to final image: {(sources[-1]['t'] - clicked) / 1000:.2f} s")
+    shot(page, f"generate-{device_name}")
+    page.context.close()
+
+
+def test_stop_cancels_the_running_job(browser, served):
+    page = open_page(browser, served[1], PHONE)
+    fill_form(page, "a very long job", 6200, 200)
+    page.tap("#go")
+    wait_status(page, "step")
+    page.tap("#stop")
+    wait_status(page, "Cancelled")
+    assert "seed 6200" in page.inner_text("#status")
+    job = served[0].manager.running()
+    assert job is None or job.request.seed != 6200
+    shot(page, "cancel-phone")
+    page.context.close()
+
+
+def test_a_reloaded_page_reattaches_to_its_job(browser, served):
+    page = open_page(browser, served[1], PHONE)
+    fill_form(page, "reload me", 6300, 40)
+    page.tap("#go")
+    wait_status(page, "step")
+    jobs_before = len(served[0].manager._order)
+    page.reload()
+    page.wait_for_selector("#go")
+    page.evaluate(RECORD_VIEW)
+    wait_status(page, "step")  # re-attached while the job still runs
+    wait_status(page, "seed 6300")
+    assert "Done" in page.inner_text("#status")
+    assert len(served[0].manager._order) == jobs_before  # the same job finished; nothing was resubmitted
+    assert page.evaluate("window.viewSources").pop()["src"].endswith(".png")
+    shot(page, "reattach-phone")
+    page.context.close()
+
+
+def test_ab_shows_the_slider_with_timings_and_metrics(browser, served):
+    page = open_page(browser, served[1], DESKTOP)
+    fill_form(page, "a/b lighthouse", 6400, 8)
+    page.click("#ab")
+    page.wait_for_function("document.querySelector('#ab-text').innerText.includes('SSIM')", timeout=180_000)
+    text = page.inner_text("#ab-text")
+    assert "speed-up" in text and "PSNR" in text
+    assert page.locator("#ab-slider img").count() >= 2
+    page.locator("#ab-panel").scroll_into_view_if_needed()
+    shot(page, "ab-desktop")
+    page.context.close()
+
+
+def test_history_survives_a_restart_and_restores_settings(browser, served, tiny_model, outputs, tmp_path):
+    finished = served[0].history.items()
+    assert finished, "earlier tests made images"
+    app, url = start_app(tiny_model, outputs, tmp_path / "presets")  # a fresh server on the same outputs folder
+    try:
+        page = open_page(browser, url, PHONE)
+        page.wait_for_selector("#gallery img")
+        assert page.locator("#gallery img").count() >= len(finished[:3])
+        page.locator("#gallery img").first.click()
+        newest = finished[0].settings
+        page.wait_for_function(f"document.querySelector('#prompt textarea').value === {newest['prompt']!r}")
+        page.click("#settings .label-wrap")
+        assert page.input_value("#seed textarea") == str(newest["seed"])
+        shot(page, "history-after-restart-phone")
+        page.context.close()
+    finally:
+        app.close()
+
+
+def test_big_screen_shows_results(browser, served):
+    page = browser.new_context(**DESKTOP).new_page()
+    page.goto(served[1] + "big")
+    page.wait_for_selector("#big-view img", timeout=30_000)
+    assert page.locator("#qr img").count() == 1
+    shot(page, "big-screen")
+    page.context.close()
