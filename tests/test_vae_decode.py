@@ -1,0 +1,57 @@
+"""decode_latent: sd.cpp by default, the own torch decoder (with a warning) when the library is unusable."""
+
+import numpy as np
+import pytest
+
+from anima_ui.errors import UserError
+from anima_ui.vae.decode import decode_latent
+from anima_ui.vae.wan_decoder import load_vae_decoder
+from tests.vae_helpers import one_torch_thread, random_latent, write_vae_file  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def small_vae(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vae") / "qwen_image_vae.safetensors"
+    write_vae_file(path, 16)
+    return path
+
+
+@pytest.mark.parametrize("library", ["absent", "garbage"])
+def test_unusable_native_library_falls_back_to_torch(small_vae, tmp_path, monkeypatch, library):
+    lib = tmp_path / "libanima_vae.so"
+    if library == "garbage":
+        lib.write_text("not an ELF file")
+    monkeypatch.setenv("ANIMA_VAE_LIB", str(lib))
+    latent = random_latent(12, 16)
+    image, name, warning = decode_latent(latent, small_vae, threads=1)
+    assert name == "torch"
+    assert "stable-diffusion.cpp VAE unavailable" in warning and str(lib) in warning
+    assert image.size == (128, 96) and image.mode == "RGB"
+    expected = load_vae_decoder(small_vae).decode(latent, tiled=True)
+    np.testing.assert_array_equal(np.asarray(image), expected)
+
+
+def test_torch_decoder_on_request_has_no_warning(small_vae):
+    latent = random_latent(8, 8)
+    image, name, warning = decode_latent(latent, small_vae, prefer="torch", tiled=False)
+    assert (name, warning) == ("torch", None)
+    np.testing.assert_array_equal(np.asarray(image), load_vae_decoder(small_vae).decode(latent))
+
+
+def test_sdcpp_is_the_default(tmp_path):
+    path = tmp_path / "qwen_image_vae.safetensors"
+    write_vae_file(path, 96)
+    image, name, warning = decode_latent(random_latent(4, 6), path, threads=1)
+    assert (name, warning) == ("sdcpp", None)
+    assert image.size == (48, 32)
+
+
+def test_bad_input_is_a_user_error(small_vae):
+    with pytest.raises(UserError, match="unknown VAE decoder"):
+        decode_latent(random_latent(4, 4), small_vae, prefer="gpu")
+    with pytest.raises(UserError, match=r"expected \[1, 16, h, w\]"):
+        decode_latent(np.zeros((1, 4, 8, 8), np.float32), small_vae)
+    latent = random_latent(4, 4)
+    latent[0, 0, 0, 0] = np.nan
+    with pytest.raises(UserError, match="NaN"):
+        decode_latent(latent, small_vae)

@@ -1,0 +1,45 @@
+"""Shared by the VAE tests: random VAE files in the official layout and the diffusers oracle."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from anima_ui.vae.latent import model_to_vae_space
+from anima_ui.vae.wan_decoder import random_vae_state
+
+
+def write_vae_file(path, base_dim: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A random VAE written like the release file (194 Wan keys, bf16); returns the bf16-rounded fp32 state."""
+    state = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in random_vae_state(base_dim, seed).items()}
+    save_file(state, str(path))
+    return {k: v.float().numpy() for k, v in state.items()}
+
+
+def diffusers_decode(state: dict[str, np.ndarray], base_dim: int, latent: np.ndarray) -> np.ndarray:
+    """diffusers' AutoencoderKLQwenImage on the same weights (keys mapped by diffusers' own Wan conversion):
+    model-space latent [1,16,h,w] -> float image [H,W,3] in [0,1]."""
+    from diffusers import AutoencoderKLQwenImage
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    model = AutoencoderKLQwenImage(base_dim=base_dim).eval()
+    converted = convert_wan_vae_to_diffusers({k: torch.from_numpy(v) for k, v in state.items()})
+    model.load_state_dict(converted, strict=True)
+    raw = torch.from_numpy(model_to_vae_space(latent))[:, :, None]  # [1,16,1,h,w]
+    with torch.inference_mode():
+        out = model.decode(raw).sample[0, :, 0].numpy()
+    return np.clip((out.transpose(1, 2, 0) + 1.0) / 2.0, 0.0, 1.0)
+
+
+def random_latent(h: int, w: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, 16, h, w)).astype(np.float32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The tiny models here decode in milliseconds on one thread; with two OpenMP threads on a shared,
+    oversubscribed machine each barrier can stall for seconds."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
