@@ -1,4 +1,4 @@
-"""Shared by the VAE tests: random VAE files in the official layout and the diffusers oracle."""
+"""Shared by the VAE tests (no tests here): random VAE files in the official layout and the diffusers oracle."""
 
 import numpy as np
 import pytest
