@@ -11,7 +11,7 @@ All arithmetic that sd.cpp does in float32 is done in float32 here, in the same 
 (bit for bit against spectrum.hpp built without FMA contraction).
 
 `variant="velocity"` (not in sd.cpp) runs the identical fit and blend on the velocity v = (x − x0)/σ of the computed
-steps and returns x0 = x − σ·v̂. The fit shrinks what it forecasts by 6–11 % (the weights sum to 0.89–0.94); on x0
+steps and returns x0 = x − σ·v̂. The fit shrinks what it forecasts by 6–15 % (the coefficients sum to 0.85–0.94); on x0
 that pulls the sample toward 0, on v it only slows one step. docs/spectrum_quality.md has the measurements.
 """
 
