@@ -153,12 +153,12 @@ def machine_table(args) -> None:
         graphs = work / f"onnx-{args.width}x{args.height}"
         started = time.perf_counter()
         subprocess.run([sys.executable, "-m", "anima_ui", "export", "--models", str(models), "--width", str(args.width),
-                        "--height", str(args.height), "--out", str(graphs)], check=True, stderr=subprocess.DEVNULL)
+                        "--height", str(args.height), "--out", str(graphs)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         export_seconds = time.perf_counter() - started
         size = sum(p.stat().st_size for p in graphs.glob("*.onnx")) / 1e9
-        print(f"    export of 84 fp32 graphs: {export_seconds:.0f} s, {size:.2f} GB")
+        print(f"    export of {len(list(graphs.glob('*.onnx')))} fp32 graphs: {export_seconds:.0f} s, {size:.2f} GB")
         results = {}
-        for variant in ("onnx", "torch", "diffusers"):
+        for variant in VARIANTS:
             command = [sys.executable, "-m", "anima_ui.bench.runtime", variant, str(models), str(graphs), str(args.width), str(args.height)]
             done = subprocess.run(command, capture_output=True, text=True)
             lines = done.stdout.strip().splitlines()
@@ -185,20 +185,24 @@ def _print_machine_rows(results: dict) -> None:
     names = {"onnx": "split onnxruntime, prefetch K=2", "torch": "torch reference (split, in-process)",
              "diffusers": "diffusers CosmosTransformer3DModel"}
     for variant, r in results.items():
+        if variant not in names:
+            continue
         if "error" in r:
             print(f"{names[variant]:<34} failed: {r['error'][:80]}")
             continue
         host = r.get("host_seconds")
         host_text = f"{host:7.1f} {100 * host / r['step_seconds']:6.1f}%" if host is not None else f"{'-':>7} {'-':>7}"
         branch = r.get("branch_seconds")
-        print(f"{names[variant]:<34} {r['step_seconds']:7.1f} {host_text} {branch if branch is None else round(branch, 1)!s:>10} "
+        print(f"{names[variant]:<34} {r['step_seconds']:7.1f} {host_text} {'-' if branch is None else f'{branch:.1f}':>10} "
               f"{r['peak_rss_gib']:12.2f}")
-    onnx = results.get("onnx", {})
-    if "ca_graph_ms" in onnx:
-        per_step = 2 * 28 * (onnx["ca_projecting_ms"] - onnx["ca_graph_ms"]) / 1000
-        print(f"    cross-attention, block 0, one batch-1 call: graph with host K/V {onnx['ca_graph_ms']:.0f} ms vs graph that "
-              f"also projects the 512-token context {onnx['ca_projecting_ms']:.0f} ms (medians of 5); "
-              f"saves {per_step:.1f} s per CFG step for {onnx['prepare_kv_s']:.2f} s once per prompt (prepare_kv, 28 blocks)")
+    onnx, ca = results.get("onnx", {}), results.get("cross_attention", {})
+    if "ca_graph_ms" in ca:
+        per_step = 2 * ca["blocks"] * (ca["ca_projecting_ms"] - ca["ca_graph_ms"]) / 1000
+        print(f"    cross-attention, block 0, one batch-1 call: graph with host K/V {ca['ca_graph_ms']:.1f} ms vs graph that "
+              f"also projects the 512-token context {ca['ca_projecting_ms']:.1f} ms (medians of 5): {per_step:.2f} s per CFG step "
+              f"({ca['blocks']} blocks x cond+uncond) saved for {ca['prepare_kv_s']:.2f} s once per prompt (prepare_kv, cond+uncond)")
+    elif "error" in ca:
+        print(f"    cross-attention comparison failed: {ca['error'][:100]}")
     if "lifecycle_hidden" in onnx:
         print(f"    onnx split: inference {onnx['inference']:.1f} s, load+init+release {onnx['lifecycle']:.1f} s of which "
               f"{onnx['lifecycle_hidden']:.1f} s hidden by prefetch; at most {onnx['peak_contexts']} contexts")
@@ -214,12 +218,9 @@ def _variant_onnx(models, graphs, width, height) -> dict:
     from anima_ui.runtime.host_weights import load_host_weights
 
     cfg, weights = load_host_weights(ModelPaths.find(models).dit)
-    started = time.perf_counter()
     x, kv, rope = conditioning(cfg, weights, width, height)
-    prepare_kv_s = time.perf_counter() - started
     for key in [k for k in weights if ".cross_attn.k_proj." in k or ".cross_attn.v_proj." in k]:
         del weights[key]  # only prepare_kv needs them, once per prompt
-    ca = _cross_attention_comparison(models, graphs, kv)
     with open_runtime("onnx", graphs, prefetch=True, max_contexts=2) as runtime:
         step = cfg_step_runner(weights, runtime, kv, rope)
         started = time.perf_counter()
@@ -229,10 +230,10 @@ def _variant_onnx(models, graphs, width, height) -> dict:
         peak = runtime.peak_open_contexts
     return {"step_seconds": seconds, "host_seconds": t["host"], "branch_seconds": seconds - t["host"], "inference": t["inference"],
             "lifecycle": t["lifecycle"], "lifecycle_hidden": t["lifecycle_hidden"], "peak_contexts": peak,
-            "prepare_kv_s": prepare_kv_s, **ca, "peak_rss_gib": _peak_rss_gib()}
+            "peak_rss_gib": _peak_rss_gib()}
 
 
-def _cross_attention_comparison(models, graphs, kv) -> dict:
+def _variant_cross_attention(models, graphs, width, height) -> dict:
     """Block 0's cross-attention as exported (k, v inputs) vs a graph that also projects the context."""
     import onnxruntime
     import torch
@@ -240,12 +241,20 @@ def _cross_attention_comparison(models, graphs, kv) -> dict:
     from anima_ui.convert.export import export_branch
     from anima_ui.model.branches import CrossAttentionBranch, block_weights
     from anima_ui.model.checkpoint import load_dit
+    from anima_ui.model.forward import prepare_kv
+    from anima_ui.runtime.host_weights import load_host_weights
     from anima_ui.runtime.manifest import Manifest, TensorSpec
 
+    cfg, host = load_host_weights(_dit_path(models))
+    rng = np.random.default_rng(0)
+    prompt = rng.standard_normal((2, cfg.context_len, cfg.context_dim)).astype(np.float32)
+    started = time.perf_counter()
+    kv = prepare_kv(host, prompt)
+    prepare_kv_s = time.perf_counter() - started
+    del host
     entry = Manifest.read(graphs).graph(0, "cross_attn")
     h_spec = entry.inputs[0]
     session = onnxruntime.InferenceSession(str(Path(graphs, entry.file)), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
     h = rng.standard_normal(h_spec.shape).astype(np.float32)
     graph_ms = _median_ms(lambda: session.run(None, {"h": h, "k": kv[0][0][:1], "v": kv[0][1][:1]}))
     del session
@@ -267,7 +276,8 @@ def _cross_attention_comparison(models, graphs, kv) -> dict:
         same = CrossAttentionBranch(block)(torch.from_numpy(h), torch.from_numpy(k), torch.from_numpy(v)).numpy()
     got = session.run(None, {"h": h, "context": context})[0]
     assert np.abs(got - same).max() <= 1e-3 * np.abs(same).max(), "projecting CA graph disagrees with host K/V"
-    return {"ca_graph_ms": graph_ms, "ca_projecting_ms": projecting_ms}
+    return {"ca_graph_ms": graph_ms, "ca_projecting_ms": projecting_ms, "prepare_kv_s": prepare_kv_s, "blocks": cfg.num_blocks,
+            "peak_rss_gib": _peak_rss_gib()}
 
 
 def _dit_path(models) -> Path:
@@ -364,7 +374,7 @@ def _variant_diffusers(models, graphs, width, height) -> dict:
     return {"step_seconds": time.perf_counter() - started, "peak_rss_gib": _peak_rss_gib()}
 
 
-VARIANTS = {"onnx": _variant_onnx, "torch": _variant_torch, "diffusers": _variant_diffusers}
+VARIANTS = {"onnx": _variant_onnx, "torch": _variant_torch, "diffusers": _variant_diffusers, "cross_attention": _variant_cross_attention}
 
 
 # -- (c) on the board -----------------------------------------------------------------------------------------------
