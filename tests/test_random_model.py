@@ -51,6 +51,10 @@ def test_every_file_of_the_layout_is_written(tiny):
     ]
 
 
+def test_the_folder_is_not_left_private(tiny):
+    assert tiny.stat().st_mode & 0o777 == 0o755
+
+
 def test_dit_file_has_the_release_keys_in_bf16(tiny):
     cfg = AnimaConfig.tiny()
     header = _header(tiny / "diffusion_models/anima-base-v1.0.safetensors")

@@ -73,6 +73,7 @@ def write_random_model(out: Path, config: str, seed: int) -> Path:
     cfg = AnimaConfig.full() if config == "full" else AnimaConfig.tiny()
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
+        partial.chmod(0o755)  # mkdtemp makes it private; the finished folder is an ordinary one
         _write_dit(partial / modelfiles.DIT_DIR / "anima-base-v1.0.safetensors", cfg, seed)
         te = text_encoder_shape(config, cfg.adapter_source_dim)
         _write_text_encoder(partial / modelfiles.TEXT_ENCODER, te, seed + 1)
