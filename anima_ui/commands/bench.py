@@ -1,7 +1,10 @@
-"""`anima-ui bench <name>`: each benchmark lives in `anima_ui/bench/<name>.py` with
-`add_arguments(parser)` and `run(args) -> int`, and prints a table."""
+"""`anima-ui bench <name> [options]`: each benchmark lives in `anima_ui/bench/<name>.py` with
+`add_arguments(parser)` and `run(args) -> int`, and prints a table. Only the chosen benchmark is imported."""
 
+import argparse
 import importlib
+
+from anima_ui.cli import OneLineErrorParser
 
 BENCHMARKS = {
     "runtime": "split runtime: simulated board serial vs prefetch; onnxruntime vs torch on this machine",
@@ -11,11 +14,12 @@ BENCHMARKS = {
 
 
 def add_arguments(parser):
-    sub = parser.add_subparsers(dest="benchmark", required=True)
-    for name, help_text in BENCHMARKS.items():
-        bench_parser = sub.add_parser(name, help=help_text)
-        importlib.import_module(f"anima_ui.bench.{name}").add_arguments(bench_parser)
+    parser.add_argument("benchmark", choices=BENCHMARKS, help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (see --help after its name)")
 
 
 def run(args) -> int:
-    return importlib.import_module(f"anima_ui.bench.{args.benchmark}").run(args)
+    module = importlib.import_module(f"anima_ui.bench.{args.benchmark}")
+    parser = OneLineErrorParser(prog=f"anima-ui bench {args.benchmark}", description=BENCHMARKS[args.benchmark])
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(args.options))
