@@ -9,7 +9,9 @@ import numpy as np
 from anima_ui.errors import UserError
 from anima_ui.pipeline import BACKENDS, GenerationRequest, Pipeline, PhaseEvent, ResultEvent, StepEvent
 
-SPECTRUM_FLAGS = {"w": float, "m": int, "lam": float, "window": int, "flex": float, "warmup": int, "stop": float}
+SPECTRUM_FLAGS = {
+    "w": float, "m": int, "lam": float, "window": int, "flex": float, "warmup": int, "stop": float, "variant": str,
+}
 
 
 def add_arguments(parser):
@@ -27,7 +29,7 @@ def add_arguments(parser):
     parser.add_argument("--no-prefetch", action="store_true", help="serial branch lifecycle, as the blog ran it")
     parser.add_argument("--spectrum", action="store_true", help="forecast about half the steps (sd.cpp's Spectrum)")
     for name, kind in SPECTRUM_FLAGS.items():
-        parser.add_argument(f"--spectrum-{name}", type=kind, default=None, help=f"Spectrum parameter {name}")
+        parser.add_argument(f"--spectrum-{name}", type=kind, default=None, help=f"Spectrum parameter {name}" + (" (sdcpp | velocity)" if name == "variant" else ""))
     parser.add_argument("--out", required=True, help="output PNG path")
     parser.add_argument("--save-latent", help="also save the final latent as float32 .npy, shape (1, 16, H/8, W/8)")
 
