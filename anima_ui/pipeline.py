@@ -50,9 +50,9 @@ class GenerationRequest:
                     f"{name} must be a multiple of 16 from {MIN_SIDE} to {MAX_SIDE} pixels, got {side!r}"
                 )
         if self.spectrum:
-            from anima_ui.sampling.spectrum import Spectrum
+            from anima_ui.sampling.spectrum import plan
 
-            Spectrum(self.steps, **self.spectrum_params)  # raises UserError naming a bad parameter
+            plan(self.steps, **self.spectrum_params)  # raises UserError naming a bad parameter
 
     @property
     def uses_uncond(self) -> bool:
