@@ -5,7 +5,7 @@ import pytest
 
 from anima_ui.errors import UserError
 from anima_ui.model.adapter import llm_adapter_forward, pad_context
-from anima_ui.model.branches import BRANCH_INPUTS
+from anima_ui.model.branches import BRANCH_INPUTS, block_weights, cross_attention_kv
 from anima_ui.model.checkpoint import split_adapter
 from anima_ui.model.forward import TorchBranches, dit_forward, prepare_kv, prepare_rope, reference_forward
 
@@ -61,6 +61,20 @@ def test_branch_output_dtype_from_an_fp16_runtime_keeps_fp32_residual(tiny_cfg, 
     assert v.dtype == np.float32 and set(residual_dtypes) == {np.dtype(np.float32)}
     reference = reference_forward(tiny_state, x, sigma, context, branches=torch_branches)
     assert np.linalg.norm(v - reference) / np.linalg.norm(reference) < 1e-2
+
+
+def test_prepare_kv_skips_padding_rows_exactly(tiny_cfg, tiny_state):
+    _, _, context = inputs(tiny_cfg)
+    context[:, 37:] = 0.0
+    context[1, 20:] = 0.0  # rows used by one prompt only are still projected
+    for i, (k, v) in enumerate(prepare_kv(tiny_state, context)):
+        full_k, full_v = cross_attention_kv(block_weights(tiny_state, i), context)
+        assert k.shape == v.shape == (2, tiny_cfg.context_len, tiny_cfg.width)
+        np.testing.assert_array_equal(k[:, 37:], 0.0)
+        np.testing.assert_allclose(k, full_k, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(v, full_v, rtol=1e-6, atol=1e-6)
+    all_zero = prepare_kv(tiny_state, np.zeros_like(context))
+    assert all(not k.any() and not v.any() for k, v in all_zero)
 
 
 def test_torch_branches_reject_unknown_block(tiny_cfg, tiny_state):

@@ -2,7 +2,7 @@
 
 The same modules are the float32 reference and what `anima-ui export` writes to ONNX (opset 19), so they
 use plain ops only: MatMul, Mul/Add, ReduceMean, Sqrt, Softmax, Erf, Slice/Concat, Reshape/Transpose.
-Weights are shared with the NumPy state dict (torch.from_numpy), never copied."""
+Weights are shared with a float32 NumPy state dict (torch.from_numpy), not copied."""
 
 import numpy as np
 import torch

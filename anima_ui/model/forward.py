@@ -71,9 +71,22 @@ def num_blocks(weights: dict) -> int:
 
 
 def prepare_kv(weights: dict[str, np.ndarray], contexts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Cross-attention k, v of every block for contexts [B,S,C] (cond and uncond stacked for CFG)."""
+    """Cross-attention k, v of every block for contexts [B,S,C] (cond and uncond stacked for CFG).
+    The zero padding rows after the prompt give k = v = 0 exactly (k_norm of a zero row is zero), so only
+    the rows up to the last non-zero one are projected: a short prompt costs a fraction of 512 rows."""
     contexts = np.asarray(contexts, np.float32)
-    return [cross_attention_kv(block_weights(weights, i), contexts) for i in range(num_blocks(weights))]
+    used = _used_rows(contexts)
+    kv = []
+    for i in range(num_blocks(weights)):
+        k, v = cross_attention_kv(block_weights(weights, i), contexts[:, :used])
+        padding = ((0, 0), (0, contexts.shape[1] - used), (0, 0))
+        kv.append((np.pad(k, padding), np.pad(v, padding)))
+    return kv
+
+
+def _used_rows(contexts: np.ndarray) -> int:
+    nonzero_rows = np.flatnonzero(np.any(contexts != 0, axis=(0, 2)))
+    return int(nonzero_rows[-1]) + 1 if nonzero_rows.size else 0
 
 
 class TorchBranches:
