@@ -1,0 +1,207 @@
+"""`anima-ui bench vae`: every VAE decoder side by side on full-size random weights, plus the preview
+cost per step.
+
+Each (decoder, size) runs in its own subprocess, so its peak RSS is its own (weights + activations +
+the interpreter and libraries it imports). Decode seconds exclude loading. The PSNR column compares
+each image with the own untiled decoder's (so it shows what tiling and the sd.cpp weight types cost);
+with random weights it says nothing about image quality.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+DECODERS = {
+    "sdcpp-tiled": "sd.cpp, tiled 32 / 0.5",
+    "sdcpp-untiled": "sd.cpp, untiled",
+    "torch-tiled": "own torch, tiled 32 / 0.5",
+    "torch-untiled": "own torch, untiled",
+    "diffusers": "diffusers fp32, untiled",
+}
+
+
+def add_arguments(parser):
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024], help="square image sizes (px)")
+    parser.add_argument("--decoders", nargs="+", default=list(DECODERS), choices=list(DECODERS))
+    parser.add_argument("--sdcpp-weight-types", nargs="+", default=["auto"], choices=["auto", "bf16", "f16", "f32"],
+                        help="run the sd.cpp decoders once per weight type")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--vae", type=Path, help="a VAE file to use instead of writing random full-size weights")
+    parser.add_argument("--preview-repeats", type=int, default=5)
+
+
+def run(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench_vae_") as tmp:
+        tmp = Path(tmp)
+        vae_path = args.vae or _write_random_vae(tmp / "qwen_image_vae.safetensors")
+        rows = []
+        for size in args.sizes:
+            for decoder in args.decoders:
+                for weight_type in (args.sdcpp_weight_types if decoder.startswith("sdcpp") else [None]):
+                    rows.append(_run_worker(decoder, weight_type, size, vae_path, args.threads, tmp))
+        _add_psnr(rows)
+        _print_decode_table(rows, args.threads)
+        _print_preview_table(args.sizes, tmp, args.preview_repeats, args.threads)
+    return 0
+
+
+# ---------------------------------------------------------------- decoders, one subprocess each
+
+def _write_random_vae(path: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    from anima_ui.vae.wan_decoder import random_vae_state
+
+    state = random_vae_state(96, seed=0)
+    save_file({k: torch.from_numpy(v).to(torch.bfloat16) for k, v in state.items()}, str(path))
+    return path
+
+
+def bench_latent(size: int) -> np.ndarray:
+    return np.random.default_rng(size).standard_normal((1, 16, size // 8, size // 8)).astype(np.float32)
+
+
+def _run_worker(decoder, weight_type, size, vae_path, threads, tmp: Path) -> dict:
+    label = decoder if weight_type is None else f"{decoder} ({weight_type})"
+    image_path = tmp / f"{label.replace(' ', '_')}_{size}.npy"
+    job = {"decoder": decoder, "weight_type": weight_type, "size": size, "vae": str(vae_path),
+           "threads": threads, "image": str(image_path)}
+    print(f"  {label} {size}x{size} ...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, "-m", "anima_ui.bench.vae", "--worker", json.dumps(job)],
+                          capture_output=True, text=True)
+    row = {"label": label, "size": size, "image": image_path, "load": round(os.getloadavg()[0], 1)}
+    if done.returncode != 0:
+        row["error"] = (done.stderr.strip().splitlines() or ["exit code %d" % done.returncode])[-1]
+        return row
+    row |= json.loads(done.stdout.strip().splitlines()[-1])
+    return row
+
+
+def _worker(job: dict) -> None:
+    latent = bench_latent(job["size"])
+    decoder, threads = job["decoder"], job["threads"]
+    start = time.perf_counter()
+    if decoder.startswith("sdcpp"):
+        from anima_ui.vae.sdcpp import SdcppDecoder
+
+        with SdcppDecoder(job["vae"], threads=threads, weight_type=job["weight_type"]) as vae:
+            loaded = time.perf_counter()
+            image = vae.decode(latent, tiled=decoder == "sdcpp-tiled")
+            weight_type = vae.weight_type
+    else:
+        import torch
+
+        torch.set_num_threads(threads)
+        if decoder == "diffusers":
+            decode, weight_type = _diffusers_decoder(job["vae"]), "fp32"
+        else:
+            from anima_ui.vae.wan_decoder import load_vae_decoder
+
+            vae, weight_type = load_vae_decoder(job["vae"]), "fp32"
+            decode = lambda x: vae.decode(x, tiled=decoder == "torch-tiled")
+        loaded = time.perf_counter()
+        image = decode(latent)
+    decoded = time.perf_counter()
+    np.save(job["image"], image)
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    print(json.dumps({"load_s": round(loaded - start, 2), "decode_s": round(decoded - loaded, 2),
+                      "peak_rss_gb": round(peak_kb / 2**20, 2), "weights": weight_type}))
+
+
+def _diffusers_decoder(vae_path):
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+    from safetensors.torch import load_file
+
+    from anima_ui.vae.latent import model_to_vae_space, to_uint8
+
+    model = AutoencoderKLQwenImage().eval()
+    state = {k: v.float() for k, v in load_file(vae_path).items()}
+    model.load_state_dict(convert_wan_vae_to_diffusers(state), strict=True)
+
+    def decode(latent):
+        with torch.inference_mode():
+            out = model.decode(torch.from_numpy(model_to_vae_space(latent))[:, :, None]).sample[0, :, 0]
+        return to_uint8((out.permute(1, 2, 0).numpy() + 1.0) / 2.0)
+
+    return decode
+
+
+# ---------------------------------------------------------------- tables
+
+def _add_psnr(rows: list[dict]) -> None:
+    from anima_ui.vae.quality import psnr
+
+    for size in {r["size"] for r in rows}:
+        reference = next((r for r in rows if r["size"] == size and r["label"] == "torch-untiled" and "error" not in r), None)
+        if reference is None:
+            continue
+        ref_image = np.load(reference["image"]) / 255.0
+        for row in rows:
+            if row["size"] == size and "error" not in row:
+                row["psnr"] = psnr(np.load(row["image"]) / 255.0, ref_image)
+
+
+def _print_decode_table(rows: list[dict], threads: int) -> None:
+    print(f"\nVAE decode, full-size random weights (base 96), {threads} threads, one process per row")
+    print(f"{'decoder':<24} {'size':>9} {'weights':>7} {'load s':>7} {'decode s':>9} {'peak RSS GB':>11} "
+          f"{'PSNR vs own untiled':>19} {'load avg':>8}")
+    for r in rows:
+        size = f"{r['size']}x{r['size']}"
+        if "error" in r:
+            print(f"{r['label']:<24} {size:>9}  failed: {r['error']}")
+            continue
+        quality = "reference" if r["label"] == "torch-untiled" else (
+            "identical" if r.get("psnr") == float("inf") else f"{r.get('psnr', float('nan')):.1f} dB")
+        print(f"{r['label']:<24} {size:>9} {r['weights']:>7} {r['load_s']:>7.2f} {r['decode_s']:>9.2f} "
+              f"{r['peak_rss_gb']:>11.2f} {quality:>19} {r['load']:>8.1f}")
+
+
+def _print_preview_table(sizes, tmp: Path, repeats: int, threads: int) -> None:
+    import torch
+
+    from anima_ui.vae.preview import latent_to_rgb, preview_image
+    from anima_ui.vae.taehv import load_taehv_decoder, taehv_decoder_shapes
+
+    torch.set_num_threads(threads)
+    taehv_path = tmp / "taew2_1.safetensors"
+    _write_random_taehv(taehv_path, taehv_decoder_shapes())
+    taehv = load_taehv_decoder(taehv_path)
+    cases = [("projection (latent px)", lambda x: latent_to_rgb(x), max(repeats, 50)),
+             ("projection + 384 px display", lambda x: preview_image(x, 384), max(repeats, 50)),
+             ("taew2_1 (8x, last frame)", taehv.decode, repeats)]
+    print(f"\nPreview cost per step (median of N runs, {threads} threads)")
+    print(f"{'preview':<30} {'image':>9} {'latent':>7} {'N':>3} {'median ms':>10}")
+    for size in sizes:
+        latent = bench_latent(size)
+        for name, fn, n in cases:
+            fn(latent)  # warm-up
+            times = []
+            for _ in range(n):
+                start = time.perf_counter()
+                fn(latent)
+                times.append(time.perf_counter() - start)
+            print(f"{name:<30} {f'{size}x{size}':>9} {f'{size // 8}x{size // 8}':>7} {n:>3} "
+                  f"{1000 * float(np.median(times)):>10.2f}")
+
+
+def _write_random_taehv(path: Path, shapes: dict[str, tuple]) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    save_file({f"decoder.{k}": torch.randn(v, generator=generator) * (0.05 if len(v) == 1 else np.prod(v[1:]) ** -0.5)
+               for k, v in shapes.items()}, str(path))
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    _worker(json.loads(sys.argv[2]))
