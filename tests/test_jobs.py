@@ -77,14 +77,14 @@ def test_a_job_streams_previews_and_saves_its_png(manager):
 
 
 def test_jobs_run_one_at_a_time_in_submission_order(manager):
-    jobs = [None] * 6
-    barrier = threading.Barrier(6)
+    jobs = [None] * 4
+    barrier = threading.Barrier(4)
 
     def submit(i):
         barrier.wait()
-        jobs[i] = manager.submit(request(seed=100 + i, steps=2))
+        jobs[i] = manager.submit(request(seed=100 + i, steps=1))
 
-    threads = [threading.Thread(target=submit, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -97,18 +97,18 @@ def test_jobs_run_one_at_a_time_in_submission_order(manager):
     assert manager.max_active == 1
     for (_, _, end), (_, start, _) in zip(manager.run_log, manager.run_log[1:]):
         assert end <= start
-    assert len(manager.history.items()) == 6
+    assert len(manager.history.items()) == 4
 
 
 def test_queue_position_and_eta_come_from_measured_steps(manager):
-    manager.submit(request(seed=1, steps=20, size=80))
+    manager.submit(request(seed=1, steps=8, size=80))
     assert manager.eta_seconds(manager.submit(request(seed=1, steps=2, size=80))) is None  # nothing measured yet
-    first = manager.submit(request(seed=2, steps=4))
-    second = manager.submit(request(seed=3, steps=4))
+    first = manager.submit(request(seed=2, steps=2))
+    second = manager.submit(request(seed=3, steps=2))
     assert manager.position(second) >= 1
     wait(manager, second)
-    third = manager.submit(request(seed=4, steps=4))
-    fourth = manager.submit(request(seed=5, steps=4))
+    third = manager.submit(request(seed=4, steps=2))
+    fourth = manager.submit(request(seed=5, steps=2))
     assert manager.eta_seconds(fourth) > 0 and manager.eta_seconds(fourth) >= manager.eta_seconds(third)
     wait(manager, fourth)
     assert first.state == "done" and manager.position(fourth) is None

@@ -30,9 +30,8 @@ document.addEventListener("visibilitychange", () => {
 });
 </script>"""
 CSS = """
-#view img { width: 100%; max-height: 72vh; object-fit: contain; }
+#view img, #big-view img { width: 100%; height: 100%; object-fit: contain; }
 #status { min-height: 2.5em; }
-#big-view img { max-height: 88vh; }
 """
 
 
@@ -264,7 +263,7 @@ class App:
             message = gr.Markdown(elem_id="message")
             status = gr.Markdown("Type a prompt and press **Generate**.", elem_id="status")
             view = gr.Image(label="Live view", type="filepath", format="png", interactive=False, elem_id="view",
-                            buttons=["download", "fullscreen"])
+                            height=420, buttons=["download", "fullscreen"])
 
             with gr.Accordion("Settings", open=False, elem_id="settings"):
                 negative = gr.Textbox(label="Negative prompt", lines=2, elem_id="negative")
@@ -339,7 +338,8 @@ class App:
 
         with demo.route("Big screen", "/big"):
             gr.Markdown("## Anima on the NPU — live")
-            big_view = gr.Image(type="filepath", format="png", interactive=False, show_label=False, elem_id="big-view")
+            big_view = gr.Image(type="filepath", format="png", interactive=False, show_label=False, elem_id="big-view",
+                                height="78vh", buttons=["fullscreen"])
             big_caption = gr.Markdown(elem_id="big-caption")
             tick = gr.State(0)
             gr.HTML(system.qr_html(url))
