@@ -31,7 +31,7 @@ CFG_SCALE = 4.0
 
 def add_arguments(parser):
     parser.add_argument("--parts", default="sim,machine", help="comma list of: sim, machine (default both)")
-    parser.add_argument("--time-scale", type=float, default=0.1, help="(a): fraction of the board's latencies to sleep")
+    parser.add_argument("--time-scale", type=float, default=0.1, help="(a), and (c) with --backend sim: fraction of the board's latencies to sleep")
     parser.add_argument("--steps", type=int, default=20, help="(a) and (c): CFG steps")
     parser.add_argument("--models", help="(b): a full-size model folder (default: write random full-size weights into --work)"
                                          "; (c): the board's model folder")
@@ -396,7 +396,7 @@ def board_table(args) -> int:
     sigmas = simple_sigmas(args.steps)
     print(f"(c) {args.backend} backend, {args.width}x{args.height}, {args.steps} CFG steps, graphs in {graphs}")
     for prefetch in (False, True):
-        runtime = open_runtime(args.backend, graphs, prefetch=prefetch)
+        runtime = open_runtime(args.backend, graphs, prefetch=prefetch, time_scale=args.time_scale)
         per_kind = _phase_recorder(runtime)
         swap_start = _swap_used(read_meminfo())
         step = cfg_step_runner(weights, runtime, kv, rope)
@@ -417,7 +417,7 @@ def board_table(args) -> int:
         for kind in KINDS:
             p = per_kind[kind]
             n = max(p["models"], 1)
-            print(f"{kind:<11} {p['models']:>6} {p['load'] / n:8.3f} {p['init'] / n:8.3f} {p['inference'] / n:12.3f} {p['release'] / n:10.3f}")
+            print(f"{kind:<11} {p['models']:>6} {p['load'] / n:8.4f} {p['init'] / n:8.4f} {p['inference'] / n:12.4f} {p['release'] / n:10.4f}")
         print(f"lowest MemAvailable {low_available / GIB:.2f} GiB, peak process PSS {peak_pss / MIB:.0f} MiB, "
               f"swap growth {(_swap_used(read_meminfo()) - swap_start) / MIB:.1f} MiB, gate: {runtime.gate_status.message}")
     return 0
@@ -435,6 +435,7 @@ def _phase_recorder(runtime) -> dict:
             entry = a[1]
             started = time.perf_counter()
             result = _original(*a)
+            del a  # a released context must be freed inside the measured time
             with lock:
                 per_kind[entry.kind]["inference" if _phase == "run" else _phase] += time.perf_counter() - started
                 per_kind[entry.kind]["models"] += _phase == "init"
