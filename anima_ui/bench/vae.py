@@ -34,7 +34,7 @@ def add_arguments(parser):
                         help="run the sd.cpp decoders once per weight type")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--vae", type=Path, help="a VAE file to use instead of writing random full-size weights")
-    parser.add_argument("--preview-repeats", type=int, default=5)
+    parser.add_argument("--preview-repeats", type=int, default=3, help="runs of the taew2_1 preview per size")
 
 
 def run(args) -> int:
@@ -69,8 +69,25 @@ def bench_latent(size: int) -> np.ndarray:
     return np.random.default_rng(size).standard_normal((1, 16, size // 8, size // 8)).astype(np.float32)
 
 
+# Peak RSS (GB) at 512x512 measured on this machine; untiled decoders grow with the pixel count, tiled
+# ones do not. A row whose estimate (+2 GB margin) exceeds the available memory is skipped, not run
+# into the OOM killer on a shared machine.
+PEAK_GB_AT_512 = {"sdcpp-tiled": 0.7, "sdcpp-untiled": 2.1, "torch-tiled": 1.0, "torch-untiled": 1.0, "diffusers": 3.2}
+
+
+def _estimated_peak_gb(decoder: str, size: int) -> float:
+    growth = 1.0 if decoder in ("sdcpp-tiled", "torch-tiled") else max((size / 512) ** 2, 1.0)
+    return PEAK_GB_AT_512[decoder] * growth
+
+
 def _run_worker(decoder, weight_type, size, vae_path, threads, tmp: Path) -> dict:
+    import psutil
+
     label = decoder if weight_type is None else f"{decoder} ({weight_type})"
+    available = psutil.virtual_memory().available / 2**30
+    if _estimated_peak_gb(decoder, size) + 2.0 > available:
+        return {"label": label, "size": size, "error": f"skipped: needs ~{_estimated_peak_gb(decoder, size):.0f} GB, "
+                                                         f"{available:.1f} GB available"}
     image_path = tmp / f"{label.replace(' ', '_')}_{size}.npy"
     job = {"decoder": decoder, "weight_type": weight_type, "size": size, "vae": str(vae_path),
            "threads": threads, "image": str(image_path)}
