@@ -217,7 +217,7 @@ def _variant_onnx(models, graphs, width, height) -> dict:
     from anima_ui.runtime import open_runtime
     from anima_ui.runtime.host_weights import load_host_weights
 
-    cfg, weights = load_host_weights(ModelPaths.find(models).dit)
+    cfg, weights = load_host_weights(ModelPaths.find(models).dit, with_adapter=False)
     x, kv, rope = conditioning(cfg, weights, width, height)
     for key in [k for k in weights if ".cross_attn.k_proj." in k or ".cross_attn.v_proj." in k]:
         del weights[key]  # only prepare_kv needs them, once per prompt
@@ -245,7 +245,7 @@ def _variant_cross_attention(models, graphs, width, height) -> dict:
     from anima_ui.runtime.host_weights import load_host_weights
     from anima_ui.runtime.manifest import Manifest, TensorSpec
 
-    cfg, host = load_host_weights(_dit_path(models))
+    cfg, host = load_host_weights(_dit_path(models), with_adapter=False)
     rng = np.random.default_rng(0)
     prompt = rng.standard_normal((2, cfg.context_len, cfg.context_dim)).astype(np.float32)
     started = time.perf_counter()
@@ -390,7 +390,7 @@ def board_table(args) -> int:
         raise UserError("--board needs --models DIR (the folder with rknn/WxH from `anima-ui convert-rknn`)")
     paths = ModelPaths.find(args.models)
     graphs = paths.rknn_dir(args.width, args.height) if args.backend == "rknn" else paths.exported_dir(args.width, args.height)
-    cfg, weights = load_host_weights(paths.dit)
+    cfg, weights = load_host_weights(paths.dit, with_adapter=False)
     x, kv, _ = conditioning(cfg, weights, args.width, args.height)
     rope = prepare_rope(cfg, args.height // 8, args.width // 8)
     sigmas = simple_sigmas(args.steps)
