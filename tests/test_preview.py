@@ -156,3 +156,6 @@ def test_broken_taehv_file_is_a_user_error(tmp_path):
     save_file({"decoder.1.weight": torch.zeros(256, 16, 3, 3), "decoder.22.weight": torch.zeros(3, 64, 5, 5)}, str(path))
     with pytest.raises(UserError, match=r"missing decoder\.1\.bias"):
         load_taehv_decoder(path)
+    path.write_bytes(b"truncated download")
+    with pytest.raises(UserError, match="cannot read the preview decoder"):
+        load_taehv_decoder(path)

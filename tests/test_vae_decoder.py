@@ -103,6 +103,10 @@ def test_missing_and_misshapen_keys_are_named(small_vae, tmp_path):
         load_vae_decoder(path)
     with pytest.raises(UserError, match="not found"):
         load_vae_decoder(tmp_path / "absent.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"truncated download")
+    with pytest.raises(UserError, match="cannot read VAE file"):
+        load_vae_decoder(junk)
 
 
 @pytest.mark.slow

@@ -93,11 +93,11 @@ def load_taehv_decoder(path) -> TaehvDecoder:
 
 @lru_cache(maxsize=1)  # previews decode every step with the same file
 def _load_cached(path: str, _mtime_ns: int) -> TaehvDecoder:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         handle = safe_open(path, framework="pt")
-    except Exception as exc:  # safetensors raises its own error types for a bad header
+    except (SafetensorError, OSError) as exc:
         raise UserError(f"cannot read the preview decoder {path} ({exc}); re-download taew2_1.safetensors") from exc
     with handle:
         names = set(handle.keys())

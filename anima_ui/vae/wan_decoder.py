@@ -152,14 +152,14 @@ def _infer_base_dim(shapes: dict[str, tuple]) -> int:
 
 def load_vae_decoder(path) -> "WanDecoder":
     """Read the decoder half of an official VAE file (bf16/fp16/fp32 safetensors) into fp32."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"VAE file not found: {path}; put qwen_image_vae.safetensors in the model's vae/ folder")
     try:
         handle = safe_open(str(path), framework="pt")
-    except Exception as exc:  # safetensors raises its own error types for a bad header
+    except (SafetensorError, OSError) as exc:
         raise UserError(f"cannot read VAE file {path} ({exc}); re-download it") from exc
     with handle:
         shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
