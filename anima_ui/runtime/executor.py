@@ -125,6 +125,9 @@ class BranchRuntime:
         self.close()
 
     # -- phases -----------------------------------------------------------------------------------------------------
+    def _stopped(self) -> bool:
+        return self._closed or (self.cancel is not None and self.cancel.is_set())
+
     def _check_cancel(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
             self.close()
@@ -155,11 +158,11 @@ class BranchRuntime:
         return self._init(self._load(entry, exposed), entry, exposed)
 
     def _load(self, entry: GraphEntry, exposed: bool):
-        self.gate.wait_until_open(self.cancel)
+        self.gate.wait_until_open(self._stopped)
         return self._timed("load", exposed, self.backend.load, self.graphs_dir, entry)
 
     def _init(self, loaded, entry: GraphEntry, exposed: bool):
-        self.gate.wait_until_open(self.cancel)
+        self.gate.wait_until_open(self._stopped)
         context = self._timed("init", exposed, self.backend.init, loaded, entry)
         with self._lock:
             self._open_count += 1

@@ -4,7 +4,6 @@ The blog's safety stop (board_facts.md): MemAvailable < 1.5 GiB or system swap g
 8 GB board, swapping in the middle of a step costs far more than waiting, so the gate refuses rather
 than letting the kernel decide. The latest verdict is kept in `status` for the UI."""
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -61,12 +60,13 @@ class MemoryGate:
         self.status = GateStatus(available >= self.floor_gib and growth <= self.max_swap_growth_mib, available, growth, message)
         return self.status
 
-    def wait_until_open(self, cancel: threading.Event | None = None, poll_seconds: float = 0.25) -> None:
+    def wait_until_open(self, stopped=lambda: False, poll_seconds: float = 0.25) -> None:
         """Return once the gate lets a context open; wait up to `wait_seconds` for memory to come back
-        (another context being released, another program ending), then raise UserError."""
+        (another context being released, another program ending), then raise UserError. `stopped()`
+        true (a cancel, a closing runtime) ends the wait with Cancelled."""
         deadline = time.monotonic() + self.wait_seconds
         while not self.check().ok:
-            if cancel is not None and cancel.is_set():
+            if stopped():
                 raise Cancelled("cancelled while waiting for memory")
             if time.monotonic() >= deadline:
                 raise UserError(
