@@ -206,3 +206,19 @@ def test_split_run_needs_only_the_host_weights(model):
     with open_runtime("onnx", model["graphs"][1]) as runtime:
         out = dit_forward(host, runtime, x, sigma, kv, rope)
     assert relative_error(out, reference_forward(full, x, sigma, context)) < 1e-4
+
+
+def test_fp16_graphs_take_and_give_float32_at_the_boundary(model, tmp_path):
+    checkpoint = model["root"] / "diffusion_models" / "anima-tiny.safetensors"
+    export_graphs(checkpoint, model["cfg"], model["weights"], WIDTH, HEIGHT, tmp_path / "fp16", dtype="fp16")
+    x, sigma, context = cfg_inputs(model)
+    weights = model["weights"]
+    kv, rope = prepare_kv(weights, context), prepare_rope(model["cfg"], HEIGHT // 8, WIDTH // 8)
+    with open_runtime("onnx", tmp_path / "fp16") as runtime:
+        assert runtime.manifest.graphs[0].inputs[0].dtype == "float16"
+        out = dit_forward(weights, runtime, x, sigma, kv, rope)
+    reference = reference_forward(weights, x, sigma, context)
+    assert out.dtype == np.float32
+    cosine = float(np.dot(out.ravel(), reference.ravel()) / (np.linalg.norm(out) * np.linalg.norm(reference)))
+    assert cosine > 0.9999
+    assert relative_error(out, reference) > 1e-5  # it really ran in half precision
