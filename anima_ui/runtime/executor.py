@@ -246,12 +246,13 @@ class BranchRuntime:
             while position not in self._contexts:
                 if position in self._errors:
                     raise self._errors.pop(position)
-                if self.cancel is not None and self.cancel.is_set():
+                if self._stopped():
                     break
                 self._lock.wait(0.05)
             context = self._contexts.get(position)
         if context is None:
             self._check_cancel()
+            raise UserError("this branch runtime was closed while a branch waited for its model")
         self._count("lifecycle_exposed", time.perf_counter() - started)
         return position, context
 
