@@ -245,8 +245,8 @@ class App:
             fresh = gr.State(False)
             gr.Markdown("## Anima on the NPU")
             if config.demo:
-                gr.Markdown(f"🧪 **Demo mode:** a random-weight tiny model from `{config.models_dir}`; "
-                            "pictures are noise by design.", elem_id="demo-banner")
+                gr.Markdown("🧪 **Demo mode:** a random-weight tiny model; pictures are noise by design.",
+                            elem_id="demo-banner")
             with gr.Group(visible=bool(self.missing), elem_id="missing"):
                 plan = setup.download_plan(config.models_dir)
                 gr.Markdown(f"⚠️ **The model is not ready:** {self.missing}\n\n"
@@ -260,10 +260,11 @@ class App:
                 go = gr.Button("Generate", variant="primary", scale=3, min_width=0, elem_id="go")
                 stop = gr.Button("Stop", variant="stop", scale=1, min_width=0, elem_id="stop")
                 ab_button = gr.Button("A/B Spectrum", scale=2, min_width=0, elem_id="ab")
-            message = gr.Markdown(elem_id="message")
-            status = gr.Markdown("Type a prompt and press **Generate**.", elem_id="status")
+            # The picture right under the buttons, its status line under it: on a phone both fit one screen.
             view = gr.Image(label="Live view", type="filepath", format="png", interactive=False, elem_id="view",
-                            height=420, buttons=["download", "fullscreen"])
+                            height=360, buttons=["download", "fullscreen"])
+            status = gr.Markdown("Type a prompt and press **Generate**.", elem_id="status")
+            message = gr.Markdown(elem_id="message")
 
             with gr.Accordion("Settings", open=False, elem_id="settings"):
                 negative = gr.Textbox(label="Negative prompt", lines=2, elem_id="negative")
