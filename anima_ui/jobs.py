@@ -107,11 +107,12 @@ class JobManager:
             return self.version
 
     def running(self) -> Job | None:
-        return next((self._jobs[i] for i in self._order if self._jobs[i].state == "running"), None)
+        return next((job for job in self.line() if job.state == "running"), None)
 
     def line(self) -> list[Job]:
         """Unfinished jobs in the order they will run; the running one first."""
-        return [self._jobs[i] for i in list(self._order) if self._jobs[i].state in ("queued", "running")]
+        with self._changed:  # the worker forgets old jobs under this lock
+            return [self._jobs[i] for i in self._order if self._jobs[i].state in ("queued", "running")]
 
     def position(self, job: Job) -> int | None:
         """0 while running, n when n-1 jobs are ahead in line, None when finished."""
@@ -165,7 +166,8 @@ class JobManager:
         return statistics.median(overheads) if overheads else 0.0
 
     def _recent_finished(self) -> list[Job]:
-        return [self._jobs[i] for i in self._order[-50:] if self._jobs[i].state in FINISHED]
+        with self._changed:
+            return [self._jobs[i] for i in self._order[-50:] if self._jobs[i].state in FINISHED]
 
     # -- the worker --------------------------------------------------------------------------------------------------
     def _work(self) -> None:
