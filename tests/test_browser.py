@@ -179,3 +179,27 @@ def test_big_screen_shows_results(browser, served):
     assert page.locator("#qr img").count() == 1
     shot(page, "big-screen")
     page.context.close()
+
+
+@pytest.mark.slow
+def test_click_to_first_preview_table(browser, served):
+    """The measurement quoted in the report: `pytest -m slow -s tests/test_browser.py -k first_preview`."""
+    import statistics
+
+    rows = []
+    for run in range(5):
+        page = open_page(browser, served[1], PHONE)
+        fill_form(page, "latency fox", 7000 + run, 4)
+        clicked = page.evaluate("performance.now()")
+        page.tap("#go")
+        wait_status(page, f"seed {7000 + run}")
+        sources = page.evaluate("window.viewSources")
+        first = next(s["t"] for s in sources if s["src"].endswith(".jpg"))
+        rows.append(((first - clicked) / 1000, (sources[-1]["t"] - clicked) / 1000))
+        page.context.close()
+    print("\nclick -> first preview / final image, tiny model, 128x128, 4 steps, phone viewport (seconds)")
+    print(f"{'run':>4} {'first preview':>14} {'final image':>12}")
+    for i, (first, final) in enumerate(rows):
+        print(f"{i:>4} {first:>14.2f} {final:>12.2f}")
+    print(f"{'median':>6} {statistics.median(r[0] for r in rows):>12.2f} {statistics.median(r[1] for r in rows):>12.2f}")
+    assert all(first <= final for first, final in rows)
