@@ -2,7 +2,6 @@
 on the tiny random-weight model, at a phone and a desktop viewport. Screenshots go to test-artifacts/."""
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
