@@ -18,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-DECODERS = {
-    "sdcpp-tiled": "sd.cpp, tiled 32 / 0.5",
-    "sdcpp-untiled": "sd.cpp, untiled",
-    "torch-tiled": "own torch, tiled 32 / 0.5",
+from anima_ui.vae.quality import psnr
+
+DECODERS = {  # in run order: the own untiled decode first, as the PSNR reference
     "torch-untiled": "own torch, untiled",
+    "torch-tiled": "own torch, tiled 32 / 0.5",
+    "sdcpp-untiled": "sd.cpp, untiled",
+    "sdcpp-tiled": "sd.cpp, tiled 32 / 0.5",
     "diffusers": "diffusers fp32, untiled",
 }
 
@@ -41,13 +43,18 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_vae_") as tmp:
         tmp = Path(tmp)
         vae_path = args.vae or _write_random_vae(tmp / "qwen_image_vae.safetensors")
-        rows = []
+        _print_decode_header(args.threads)
         for size in args.sizes:
-            for decoder in args.decoders:
+            reference = None  # the own untiled decode of this size, run first
+            for decoder in sorted(args.decoders, key=list(DECODERS).index):
                 for weight_type in (args.sdcpp_weight_types if decoder.startswith("sdcpp") else [None]):
-                    rows.append(_run_worker(decoder, weight_type, size, vae_path, args.threads, tmp))
-        _add_psnr(rows)
-        _print_decode_table(rows, args.threads)
+                    row = _run_worker(decoder, weight_type, size, vae_path, args.threads, tmp)
+                    if "error" not in row:
+                        image = np.load(row["image"]) / 255.0
+                        if decoder == "torch-untiled":
+                            reference = image
+                        row["psnr"] = None if reference is None else psnr(image, reference)
+                    _print_decode_row(row)  # as soon as it is measured: a long run can be stopped
         _print_preview_table(args.sizes, tmp, args.preview_repeats, args.threads)
     return 0
 
@@ -155,32 +162,25 @@ def _diffusers_decoder(vae_path):
 
 # ---------------------------------------------------------------- tables
 
-def _add_psnr(rows: list[dict]) -> None:
-    from anima_ui.vae.quality import psnr
-
-    for size in {r["size"] for r in rows}:
-        reference = next((r for r in rows if r["size"] == size and r["label"] == "torch-untiled" and "error" not in r), None)
-        if reference is None:
-            continue
-        ref_image = np.load(reference["image"]) / 255.0
-        for row in rows:
-            if row["size"] == size and "error" not in row:
-                row["psnr"] = psnr(np.load(row["image"]) / 255.0, ref_image)
-
-
-def _print_decode_table(rows: list[dict], threads: int) -> None:
-    print(f"\nVAE decode, full-size random weights (base 96), {threads} threads, one process per row")
+def _print_decode_header(threads: int) -> None:
+    print(f"VAE decode, full-size random weights (base 96), {threads} threads, one process per row")
     print(f"{'decoder':<24} {'size':>9} {'weights':>7} {'load s':>7} {'decode s':>9} {'peak RSS GB':>11} "
-          f"{'PSNR vs own untiled':>19} {'load avg':>8}")
-    for r in rows:
-        size = f"{r['size']}x{r['size']}"
-        if "error" in r:
-            print(f"{r['label']:<24} {size:>9}  failed: {r['error']}")
-            continue
-        quality = "reference" if r["label"] == "torch-untiled" else (
-            "identical" if r.get("psnr") == float("inf") else f"{r.get('psnr', float('nan')):.1f} dB")
-        print(f"{r['label']:<24} {size:>9} {r['weights']:>7} {r['load_s']:>7.2f} {r['decode_s']:>9.2f} "
-              f"{r['peak_rss_gb']:>11.2f} {quality:>19} {r['load']:>8.1f}")
+          f"{'PSNR vs own untiled':>19} {'load avg':>8}", flush=True)
+
+
+def _print_decode_row(r: dict) -> None:
+    size = f"{r['size']}x{r['size']}"
+    if "error" in r:
+        print(f"{r['label']:<24} {size:>9}  failed: {r['error']}", flush=True)
+        return
+    if r["label"] == "torch-untiled":
+        quality = "reference"
+    elif r["psnr"] is None:
+        quality = "-"
+    else:
+        quality = "identical" if r["psnr"] == float("inf") else f"{r['psnr']:.1f} dB"
+    print(f"{r['label']:<24} {size:>9} {r['weights']:>7} {r['load_s']:>7.2f} {r['decode_s']:>9.2f} "
+          f"{r['peak_rss_gb']:>11.2f} {quality:>19} {r['load']:>8.1f}", flush=True)
 
 
 def _print_preview_table(sizes, tmp: Path, repeats: int, threads: int) -> None:
