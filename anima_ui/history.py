@@ -67,7 +67,7 @@ class History:
         png_info.add_text("parameters", infotext)
         write_atomically(png_path, lambda f: image.save(f, format="PNG", pnginfo=png_info))
         write_atomically(self.outputs_dir / f"{name}.json",
-                         lambda f: f.write(json.dumps(record, indent=1, ensure_ascii=False).encode()))
+                         lambda f: f.write(json.dumps(record, indent=1, ensure_ascii=False, default=_plain).encode()))
         return HistoryItem(name, png_path, record)
 
     def items(self) -> list[HistoryItem]:
@@ -96,6 +96,13 @@ class History:
                 if not spectrum or item.settings.get("spectrum_params") == settings.get("spectrum_params"):
                     return item
         return None
+
+
+def _plain(value):
+    """NumPy scalars in a pipeline summary (timings, sigmas) as plain JSON numbers."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def write_atomically(path: Path, write) -> None:
