@@ -168,3 +168,25 @@ def test_bad_request_is_refused_at_submit(manager):
     with pytest.raises(UserError, match="steps"):
         manager.submit(request(steps=0))
     assert manager.line() == []
+
+
+def test_taew2_1_previews_when_the_file_is_present(tiny_model, tmp_path):
+    from anima_ui.vae.taehv import taehv_decoder_shapes
+
+    model = tmp_path / "with-taesd"
+    shutil.copytree(tiny_model, model)
+    (model / "vae_approx").mkdir()
+    generator = torch.Generator().manual_seed(0)
+    weights = {f"decoder.{k}": torch.randn(shape, generator=generator) * 0.05 for k, shape in taehv_decoder_shapes().items()}
+    save_file(weights, model / "vae_approx" / "taew2_1.safetensors")
+    manager = JobManager(lambda: Pipeline.load(model), History(tmp_path / "outputs"), tmp_path / "previews",
+                         preview_size=64)
+    try:
+        by_method = {m: wait(manager, manager.submit(request(seed=41, steps=1), preview_method=m))
+                     for m in ("projection", "taew2_1")}
+    finally:
+        manager.close()
+    assert all(job.state == "done" for job in by_method.values())
+    projection, taesd = (Image.open(by_method[m].preview_path) for m in ("projection", "taew2_1"))
+    assert projection.size == taesd.size == (64, 64)
+    assert projection.tobytes() != taesd.tobytes()  # the same x0 went through another decoder
