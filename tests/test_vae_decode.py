@@ -31,6 +31,13 @@ def test_unusable_native_library_falls_back_to_torch(small_vae, tmp_path, monkey
     np.testing.assert_array_equal(np.asarray(image), expected)
 
 
+def test_a_non_release_width_falls_back_to_torch(small_vae):
+    """sd.cpp's WanVAE is fixed at width 96; the tiny random models (width 16) decode with torch."""
+    image, name, warning = decode_latent(random_latent(4, 4), small_vae, threads=1)
+    assert name == "torch" and "VAE width 16" in warning and "release width 96" in warning
+    assert image.size == (32, 32)
+
+
 def test_torch_decoder_on_request_has_no_warning(small_vae):
     latent = random_latent(8, 8)
     image, name, warning = decode_latent(latent, small_vae, prefer="torch", tiled=False)

@@ -19,9 +19,12 @@ LIBRARY = Path(__file__).resolve().parents[2] / "native" / "build" / "libanima_v
 # sd_type_t values (include/stable-diffusion.h) for the weight type chosen at load
 WEIGHT_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
 
+RELEASE_BASE_DIM = 96  # sd.cpp 0.4.7's WanVAE has the release width built in (tiny test models differ)
+
 
 class NativeDecoderUnavailable(Exception):
-    """The native library is not built or cannot be loaded on this machine (decode.py falls back)."""
+    """The native library is not built or cannot be loaded on this machine, or the VAE is not the
+    release width sd.cpp has built in (decode.py falls back to the torch decoder)."""
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
@@ -42,6 +45,19 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 def auto_weight_type() -> str:
     """bf16 (as the release file stores it) where the CPU has native bf16, else f16."""
     return "bf16" if cpu_has_native_bf16() else "f16"
+
+
+def vae_base_dim(vae_path: Path) -> int | None:
+    """The VAE's base width from the file header (decoder.head.2.weight is [3, base_dim, 3, 3, 3])."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(vae_path), framework="numpy") as handle:
+            if "decoder.head.2.weight" not in handle.keys():
+                return None
+            return int(handle.get_slice("decoder.head.2.weight").get_shape()[1])
+    except (SafetensorError, OSError):
+        return None  # unreadable: the loader that follows names the problem
 
 
 def _load_library(path: Path) -> ctypes.CDLL:
@@ -76,6 +92,10 @@ class SdcppDecoder:
         if weight_type not in WEIGHT_TYPES:
             raise UserError(f"unknown VAE weight type {weight_type!r}; use one of auto, {', '.join(WEIGHT_TYPES)}")
         self.weight_type = weight_type
+        base_dim = vae_base_dim(vae_path)
+        if base_dim not in (None, RELEASE_BASE_DIM):
+            raise NativeDecoderUnavailable(f"{vae_path.name} has VAE width {base_dim}, stable-diffusion.cpp "
+                                           f"supports only the release width {RELEASE_BASE_DIM}")
         self._lib = _load_library(Path(library or os.environ.get("ANIMA_VAE_LIB", LIBRARY)))
         self._ctx = self._lib.anima_vae_load(str(vae_path).encode(), threads or 0, WEIGHT_TYPES[weight_type])
         if not self._ctx:
