@@ -127,6 +127,7 @@ def test_a_reloaded_page_reattaches_to_its_job(browser, served):
     page.wait_for_selector("#go")
     page.evaluate(RECORD_VIEW)
     wait_status(page, "step")  # re-attached while the job still runs
+    assert page.input_value("#prompt textarea") == "reload me"  # the form shows what is running
     # A phone tab waking up fires visibilitychange: the hidden resume button starts a fresh watcher (and cancels the
     # old one), which must carry on to the same end.
     assert page.locator("#resume").count() == 1

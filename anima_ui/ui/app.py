@@ -188,6 +188,15 @@ class App:
             return (*(gr.skip(),) * 7, f"⚠️ {exc}")
         return self._form_values(settings, f"Restored the settings of {Path(path).name}.")
 
+    def restore_session_form(self, session):
+        """On page load: the form shows the settings of the job this browser follows (a reloaded phone sees what
+        is running, not an empty prompt)."""
+        ids = session.get("jobs", []) if isinstance(session, dict) else []
+        job = self.manager.get(ids[-1]) if ids else None
+        if job is None:
+            return (*(gr.skip(),) * 7, "")
+        return self._form_values(request_settings(job.request), "")
+
     def reuse_seed(self, session):
         seed = (session or {}).get("last_seed") if isinstance(session, dict) else None
         return str(seed) if seed is not None else gr.skip()
@@ -336,6 +345,7 @@ class App:
                               [preset, message], api_name="save_preset", **light)
             fetch.click(self.download_models, None, fetch_log, api_visibility="private", **light)
             demo.load(self.status_panel, None, status_box, api_name="status", **light)
+            demo.load(self.restore_session_form, session, form_fields, api_visibility="private", **light)
 
         with demo.route("Big screen", "/big"):
             gr.Markdown("## Anima on the NPU — live")
