@@ -92,11 +92,11 @@ class SdcppDecoder:
         if weight_type not in WEIGHT_TYPES:
             raise UserError(f"unknown VAE weight type {weight_type!r}; use one of auto, {', '.join(WEIGHT_TYPES)}")
         self.weight_type = weight_type
+        self._lib = _load_library(Path(library or os.environ.get("ANIMA_VAE_LIB", LIBRARY)))
         base_dim = vae_base_dim(vae_path)
         if base_dim not in (None, RELEASE_BASE_DIM):
             raise NativeDecoderUnavailable(f"{vae_path.name} has VAE width {base_dim}, stable-diffusion.cpp "
                                            f"supports only the release width {RELEASE_BASE_DIM}")
-        self._lib = _load_library(Path(library or os.environ.get("ANIMA_VAE_LIB", LIBRARY)))
         self._ctx = self._lib.anima_vae_load(str(vae_path).encode(), threads or 0, WEIGHT_TYPES[weight_type])
         if not self._ctx:
             reason = self._lib.anima_vae_last_error().decode(errors="replace").strip()
