@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from test_jobs import make_tiny_model, torch_vae_decoder  # noqa: F401 -- an autouse fixture
+from test_jobs import make_tiny_model, occupy_worker, torch_vae_decoder  # noqa: F401 -- an autouse fixture
 from test_ui_app import start_app
 
 # Gradio 6.31's queue analytics call pandas APIs that pandas 3 deprecates; not ours to fix.
@@ -88,17 +88,18 @@ def test_generate_streams_previews_then_the_final_png(browser, served, device_na
     page = open_page(browser, served[1], device)
     seed = 5100 + len(device_name)
     fill_form(page, f"a fox in snow ({device_name})", seed, 8)
-    clicked = page.evaluate("performance.now()")
+    # Our job waits behind another, so the page is watching before its first step whatever the machine's load
+    # (a tiny job can otherwise finish before the chained watcher starts; then only the final image shows).
+    occupy_worker(served[0].manager)
     page.tap("#go") if device.get("is_mobile") else page.click("#go")
+    wait_status(page, "Queued")
     wait_status(page, f"seed {seed}")
     assert "Done" in page.inner_text("#status")
     sources = page.evaluate("window.viewSources")
     previews = [s for s in sources if s["src"].endswith(".jpg")]
     assert len(previews) >= 2, sources  # several steps were drawn, not just the end
     assert sources[-1]["src"].endswith(".png")
-    first_preview = (previews[0]["t"] - clicked) / 1000
-    print(f"\n[{device_name}] click to first preview: {first_preview:.2f} s; "
-          f"{len(previews)} previews drawn of 8 steps; click to final image: {(sources[-1]['t'] - clicked) / 1000:.2f} s")
+    print(f"\n[{device_name}] {len(previews)} previews drawn for 8 steps")
     shot(page, f"generate-{device_name}")
     page.context.close()
 
@@ -119,7 +120,7 @@ def test_stop_cancels_the_running_job(browser, served):
 
 def test_a_reloaded_page_reattaches_to_its_job(browser, served):
     page = open_page(browser, served[1], PHONE)
-    fill_form(page, "reload me", 6300, 40)
+    fill_form(page, "reload me", 6300, 50)
     page.tap("#go")
     wait_status(page, "step")
     jobs_before = len(served[0].manager._order)
@@ -194,7 +195,7 @@ def test_click_to_first_preview_table(browser, served):
         page.tap("#go")
         wait_status(page, f"seed {7000 + run}")
         sources = page.evaluate("window.viewSources")
-        first = next(s["t"] for s in sources if s["src"].endswith(".jpg"))
+        first = next((s["t"] for s in sources if s["src"].endswith(".jpg")), sources[-1]["t"])  # finished unseen
         rows.append(((first - clicked) / 1000, (sources[-1]["t"] - clicked) / 1000))
         page.context.close()
     print("\nclick -> first preview / final image, tiny model, 128x128, 4 steps, phone viewport (seconds)")

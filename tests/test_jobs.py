@@ -59,6 +59,15 @@ def wait(manager, job, timeout=120):
     return job
 
 
+def occupy_worker(manager, steps=6):
+    """Submit a job and return once it is running, so the next job queues behind it."""
+    job = manager.submit(GenerationRequest(prompt="blocker", seed=1, steps=steps, width=128, height=128))
+    version = manager.version
+    while job.state == "queued":
+        version = manager.wait_for_change(version, timeout=60)
+    return job
+
+
 def request(seed=1, steps=3, size=64, **kwargs):
     return GenerationRequest(prompt="a red fox", seed=seed, steps=steps, width=size, height=size, **kwargs)
 
@@ -101,17 +110,18 @@ def test_jobs_run_one_at_a_time_in_submission_order(manager):
 
 
 def test_queue_position_and_eta_come_from_measured_steps(manager):
-    manager.submit(request(seed=1, steps=8, size=80))
-    assert manager.eta_seconds(manager.submit(request(seed=1, steps=2, size=80))) is None  # nothing measured yet
+    occupy_worker(manager)  # 128x128: running, so the jobs below wait in line
     first = manager.submit(request(seed=2, steps=2))
     second = manager.submit(request(seed=3, steps=2))
-    assert manager.position(second) >= 1
+    assert (manager.position(first), manager.position(second)) == (1, 2)
+    assert manager.eta_seconds(second) is None  # no 64x64 job has been measured yet
     wait(manager, second)
+    occupy_worker(manager)
     third = manager.submit(request(seed=4, steps=2))
     fourth = manager.submit(request(seed=5, steps=2))
-    assert manager.eta_seconds(fourth) > 0 and manager.eta_seconds(fourth) >= manager.eta_seconds(third)
+    assert 0 < manager.eta_seconds(third) < manager.eta_seconds(fourth)  # now both sizes were measured
     wait(manager, fourth)
-    assert first.state == "done" and manager.position(fourth) is None
+    assert first.state == "done" and manager.position(fourth) is None and manager.eta_seconds(fourth) == 0.0
 
 
 def test_cancel_running_and_queued_jobs(manager):

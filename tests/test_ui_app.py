@@ -14,7 +14,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from anima_ui.ui.app import App, AppConfig
-from test_jobs import make_tiny_model, torch_vae_decoder  # noqa: F401 -- an autouse fixture
+from test_jobs import make_tiny_model, occupy_worker, torch_vae_decoder  # noqa: F401 -- an autouse fixture
 
 # Gradio 6.31's queue analytics call pandas APIs that pandas 3 deprecates; not ours to fix.
 GRADIO_PANDAS_NOISE = [pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting'"),
@@ -70,6 +70,7 @@ def generate_and_watch(client, **kwargs):
 
 
 def test_generate_streams_previews_then_the_png_with_parameters(client, served):
+    occupy_worker(served[0].manager)  # we watch before our first step, however loaded the machine is
     session, outputs, final = generate_and_watch(client, prompt="a red fox", seed="4242", steps=4)
     statuses = [o[1] for o in outputs]
     # The watcher shows the latest state when it wakes, so fast steps may be merged: some step must show.
