@@ -11,7 +11,6 @@
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -151,12 +150,12 @@ def machine_table(args) -> None:
     try:
         models = Path(args.models) if args.models else _random_full_model(work)
         graphs = work / f"onnx-{args.width}x{args.height}"
-        started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "anima_ui", "export", "--models", str(models), "--width", str(args.width),
-                        "--height", str(args.height), "--out", str(graphs)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        export_seconds = time.perf_counter() - started
-        size = sum(p.stat().st_size for p in graphs.glob("*.onnx")) / 1e9
-        print(f"    export of {len(list(graphs.glob('*.onnx')))} fp32 graphs: {export_seconds:.0f} s, {size:.2f} GB")
+        if not (graphs / "manifest.json").is_file():  # an export kept in --work is reused
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "anima_ui", "export", "--models", str(models), "--width", str(args.width),
+                            "--height", str(args.height), "--out", str(graphs)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            size = sum(p.stat().st_size for p in graphs.glob("*.onnx")) / 1e9
+            print(f"    export of {len(list(graphs.glob('*.onnx')))} fp32 graphs: {time.perf_counter() - started:.0f} s, {size:.2f} GB")
         results = {}
         for variant in VARIANTS:
             command = [sys.executable, "-m", "anima_ui.bench.runtime", variant, str(models), str(graphs), str(args.width), str(args.height)]
@@ -209,7 +208,12 @@ def _print_machine_rows(results: dict) -> None:
 
 
 def _peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    """VmHWM: the peak RSS of this process image. (getrusage's ru_maxrss survives fork + exec on Linux, so
+    a variant started by a parent that once held the random model would report the parent's peak.)"""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / (1 << 20)
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _variant_onnx(models, graphs, width, height) -> dict:
