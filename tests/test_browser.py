@@ -90,9 +90,8 @@ def test_generate_streams_previews_then_the_final_png(browser, served, device_na
     fill_form(page, f"a fox in snow ({device_name})", seed, 8)
     # Our job waits behind another, so the page is watching before its first step whatever the machine's load
     # (a tiny job can otherwise finish before the chained watcher starts; then only the final image shows).
-    occupy_worker(served[0].manager)
+    occupy_worker(served[0].manager, steps=40)
     page.tap("#go") if device.get("is_mobile") else page.click("#go")
-    wait_status(page, "Queued")
     wait_status(page, f"seed {seed}")
     assert "Done" in page.inner_text("#status")
     sources = page.evaluate("window.viewSources")
@@ -120,21 +119,23 @@ def test_stop_cancels_the_running_job(browser, served):
 
 def test_a_reloaded_page_reattaches_to_its_job(browser, served):
     page = open_page(browser, served[1], PHONE)
-    fill_form(page, "reload me", 6300, 50)
+    fill_form(page, "reload me", 6300, 60)
     page.tap("#go")
     wait_status(page, "step")
+    job = served[0].manager.running()
+    assert job.request.seed == 6300 and job.step < job.total  # reloading mid-job
     jobs_before = len(served[0].manager._order)
     page.reload()
     page.wait_for_selector("#go")
     page.evaluate(RECORD_VIEW)
-    wait_status(page, "step")  # re-attached while the job still runs
-    assert page.input_value("#prompt textarea") == "reload me"  # the form shows what is running
+    # The form shows what is running (restored from the job this browser's session follows).
+    page.wait_for_function("document.querySelector('#prompt textarea').value === 'reload me'")
     # A phone tab waking up fires visibilitychange: the hidden resume button starts a fresh watcher (and cancels the
     # old one), which must carry on to the same end.
     assert page.locator("#resume").count() == 1
     page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
     wait_status(page, "seed 6300")
-    assert "Done" in page.inner_text("#status")
+    assert "Done" in page.inner_text("#status") and job.state == "done"
     assert len(served[0].manager._order) == jobs_before  # the same job finished; nothing was resubmitted
     assert page.evaluate("window.viewSources").pop()["src"].endswith(".png")
     shot(page, "reattach-phone")
