@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-packages=(cmake g++ make python3-venv fonts-liberation)
+packages=(cmake ninja-build g++ make python3-venv fonts-liberation)
 command -v chromium >/dev/null || packages+=(chromium)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
