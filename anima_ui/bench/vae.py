@@ -31,7 +31,8 @@ DECODERS = {  # in run order: the own untiled decode first, as the PSNR referenc
 
 def add_arguments(parser):
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024], help="square image sizes (px)")
-    parser.add_argument("--decoders", nargs="+", default=list(DECODERS), choices=list(DECODERS))
+    parser.add_argument("--decoders", nargs="*", default=list(DECODERS), choices=list(DECODERS),
+                        help="none: only the preview table")
     parser.add_argument("--sdcpp-weight-types", nargs="+", default=["auto"], choices=["auto", "bf16", "f16", "f32"],
                         help="run the sd.cpp decoders once per weight type")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -42,21 +43,26 @@ def add_arguments(parser):
 def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_vae_") as tmp:
         tmp = Path(tmp)
-        vae_path = args.vae or _write_random_vae(tmp / "qwen_image_vae.safetensors")
-        _print_decode_header(args.threads)
-        for size in args.sizes:
-            reference = None  # the own untiled decode of this size, run first
-            for decoder in sorted(args.decoders, key=list(DECODERS).index):
-                for weight_type in (args.sdcpp_weight_types if decoder.startswith("sdcpp") else [None]):
-                    row = _run_worker(decoder, weight_type, size, vae_path, args.threads, tmp)
-                    if "error" not in row:
-                        image = np.load(row["image"]) / 255.0
-                        if decoder == "torch-untiled":
-                            reference = image
-                        row["psnr"] = None if reference is None else psnr(image, reference)
-                    _print_decode_row(row)  # as soon as it is measured: a long run can be stopped
+        if args.decoders:
+            _run_decoders(args, tmp)
         _print_preview_table(args.sizes, tmp, args.preview_repeats, args.threads)
     return 0
+
+
+def _run_decoders(args, tmp: Path) -> None:
+    vae_path = args.vae or _write_random_vae(tmp / "qwen_image_vae.safetensors")
+    _print_decode_header(args.threads)
+    for size in args.sizes:
+        reference = None  # the own untiled decode of this size, run first
+        for decoder in sorted(args.decoders, key=list(DECODERS).index):
+            for weight_type in (args.sdcpp_weight_types if decoder.startswith("sdcpp") else [None]):
+                row = _run_worker(decoder, weight_type, size, vae_path, args.threads, tmp)
+                if "error" not in row:
+                    image = np.load(row["image"]) / 255.0
+                    if decoder == "torch-untiled":
+                        reference = image
+                    row["psnr"] = None if reference is None else psnr(image, reference)
+                _print_decode_row(row)  # as soon as it is measured: a long run can be stopped
 
 
 # ---------------------------------------------------------------- decoders, one subprocess each
