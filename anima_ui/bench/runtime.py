@@ -30,7 +30,9 @@ CFG_SCALE = 4.0
 
 def add_arguments(parser):
     parser.add_argument("--parts", default="sim,machine", help="comma list of: sim, machine (default both)")
-    parser.add_argument("--time-scale", type=float, default=0.1, help="(a), and (c) with --backend sim: fraction of the board's latencies to sleep")
+    parser.add_argument("--time-scale", type=float, default=0.2,
+                        help="(a), and (c) with --backend sim: fraction of the board's latencies to sleep (0.2: ~19 min for (a);"
+                             " smaller scales let this machine's own compute and scheduling show through)")
     parser.add_argument("--steps", type=int, default=20, help="(a) and (c): CFG steps")
     parser.add_argument("--models", help="(b): a full-size model folder (default: write random full-size weights into --work)"
                                          "; (c): the board's model folder")
