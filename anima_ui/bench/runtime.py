@@ -36,7 +36,8 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=20, help="(a) and (c): CFG steps")
     parser.add_argument("--models", help="(b): a full-size model folder (default: write random full-size weights into --work)"
                                          "; (c): the board's model folder")
-    parser.add_argument("--work", help="(b): scratch folder for the random model and its ~8 GB of ONNX (deleted after)")
+    parser.add_argument("--work", help="(b): keep the random model and its ~6.6 GB ONNX export here (reused by the next run); "
+                                       "default: a temporary folder, deleted after")
     parser.add_argument("--board", action="store_true", help="(c): run on an RK3588 with the rknn backend")
     parser.add_argument("--backend", default="rknn", help="(c): backend to measure (rknn on a board; sim to try it anywhere)")
     parser.add_argument("--width", type=int, default=512)
