@@ -1,6 +1,5 @@
 """The job engine on the real pipeline with the tiny random-weight model (torch backend)."""
 
-import os
 import shutil
 import subprocess
 import sys
@@ -20,19 +19,6 @@ def make_tiny_model(folder):
     subprocess.run([sys.executable, "-m", "anima_ui", "random-model", "--config", "tiny", "--seed", "0",
                     "--out", str(folder)], check=True, capture_output=True)
     return folder
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torch_vae_decoder():
-    """sd.cpp rejects the tiny random VAE's shapes (it only knows the release's); without its library the decoder
-    falls back to the project's torch Wan decoder, which takes any size."""
-    previous = os.environ.get("ANIMA_VAE_LIB")
-    os.environ["ANIMA_VAE_LIB"] = "/nonexistent/libanima_vae.so"
-    yield
-    if previous is None:
-        del os.environ["ANIMA_VAE_LIB"]
-    else:
-        os.environ["ANIMA_VAE_LIB"] = previous
 
 
 @pytest.fixture(scope="module")

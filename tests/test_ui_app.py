@@ -14,7 +14,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from anima_ui.ui.app import App, AppConfig
-from test_jobs import make_tiny_model, occupy_worker, torch_vae_decoder  # noqa: F401 -- an autouse fixture
+from test_jobs import make_tiny_model, occupy_worker
 
 # Gradio 6.31's queue analytics call pandas APIs that pandas 3 deprecates; not ours to fix.
 GRADIO_PANDAS_NOISE = [pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting'"),

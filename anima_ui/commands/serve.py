@@ -26,9 +26,6 @@ def run(args) -> int:
     if args.demo:
         models = setup.demo_model_dir()
         print(f"demo mode: random-weight tiny model in {models}")
-        # sd.cpp only loads the release's VAE shapes; without its library the decode falls back to the project's
-        # torch Wan decoder, which loads the tiny VAE.
-        os.environ.setdefault("ANIMA_VAE_LIB", str(models / "no-sdcpp-in-demo-mode"))
     config = AppConfig(
         models_dir=models,
         backend=args.backend,
