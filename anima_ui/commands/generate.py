@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anima_ui.commands.runtime_flags import add_runtime_arguments, runtime_options
 from anima_ui.errors import UserError
 from anima_ui.pipeline import BACKENDS, GenerationRequest, Pipeline, PhaseEvent, ResultEvent, StepEvent
 
@@ -26,11 +27,7 @@ def add_arguments(parser):
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--height", type=int, default=512)
     parser.add_argument("--backend", default="torch", help=f"one of {', '.join(BACKENDS)}")
-    parser.add_argument("--no-prefetch", action="store_true", help="serial branch lifecycle, as the blog ran it")
-    parser.add_argument("--max-contexts", type=int, default=2, help="graph contexts alive at once with prefetch")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="sim backend: scale the board's latencies (0.01 runs a 20-step job in seconds)")
-    parser.add_argument("--core-mask", default="auto", help="rknn backend: NPU cores (auto, 0, 1, 2, 0_1, 0_1_2, all)")
+    add_runtime_arguments(parser)
     parser.add_argument("--spectrum", action="store_true", help="forecast about half the steps (sd.cpp's Spectrum)")
     for name, kind in SPECTRUM_FLAGS.items():
         parser.add_argument(f"--spectrum-{name}", type=kind, default=None, help=f"Spectrum parameter {name}" + (" (sdcpp | velocity)" if name == "variant" else ""))
@@ -56,13 +53,7 @@ def run(args) -> int:
         spectrum_params={k: getattr(args, f"spectrum_{k}") for k in SPECTRUM_FLAGS if getattr(args, f"spectrum_{k}") is not None},
     )
     request.validate()  # fail on bad numbers before spending seconds on loading the model
-    runtime_options = {
-        "prefetch": not args.no_prefetch,
-        "max_contexts": args.max_contexts,
-        "time_scale": args.time_scale,
-        "core_mask": args.core_mask,
-    }
-    pipeline = Pipeline.load(args.models, backend=args.backend, **runtime_options)
+    pipeline = Pipeline.load(args.models, backend=args.backend, **runtime_options(args))
 
     for event in pipeline.generate(request):
         if isinstance(event, PhaseEvent):
