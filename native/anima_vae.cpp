@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <cstdlib>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "ggml_extend.hpp"
@@ -20,10 +22,11 @@ namespace {
 
 thread_local std::string last_error;
 
-// sd.cpp logs through a global callback; errors are kept for anima_vae_last_error(), the rest is
-// printed only when ANIMA_VAE_VERBOSE is set (sd.cpp is chatty at INFO level).
+// sd.cpp logs through a global callback; the first error of a call is kept for anima_vae_last_error()
+// (it names the tensor; later ones only say that loading failed). Warnings and errors go to stderr,
+// the rest only when ANIMA_VAE_VERBOSE is set (sd.cpp is chatty at INFO level).
 void log_to_stderr(enum sd_log_level_t level, const char* text, void*) {
-    if (level == SD_LOG_ERROR) {
+    if (level == SD_LOG_ERROR && last_error.empty()) {
         last_error = text;
     }
     if (level >= SD_LOG_WARN || std::getenv("ANIMA_VAE_VERBOSE") != nullptr) {

@@ -33,5 +33,6 @@ cmake -S "$NATIVE" -B "$BUILD/cmake" -G Ninja \
     -DGGML_OPENMP=ON \
     -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF
 cmake --build "$BUILD/cmake" --target anima_vae -j "$(nproc)"
-cp "$BUILD/cmake/libanima_vae.so" "$LIB"
+# a new file moved into place: processes that have the old library mapped keep a valid copy
+cp "$BUILD/cmake/libanima_vae.so" "$LIB.tmp" && mv -f "$LIB.tmp" "$LIB"
 echo "built $LIB in $(( $(date +%s) - start )) s"
