@@ -10,6 +10,7 @@
 #include <map>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 
@@ -20,14 +21,24 @@
 
 namespace {
 
-thread_local std::string last_error;
+// sd.cpp's loader logs from its worker threads, so the error text is shared and locked
+std::mutex error_mutex;
+std::string last_error;
+
+void set_error(const std::string& text) {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    last_error = text;
+}
 
 // sd.cpp logs through a global callback; the first error of a call is kept for anima_vae_last_error()
 // (it names the tensor; later ones only say that loading failed). Warnings and errors go to stderr,
 // the rest only when ANIMA_VAE_VERBOSE is set (sd.cpp is chatty at INFO level).
 void log_to_stderr(enum sd_log_level_t level, const char* text, void*) {
-    if (level == SD_LOG_ERROR && last_error.empty()) {
-        last_error = text;
+    if (level == SD_LOG_ERROR) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (last_error.empty()) {
+            last_error = text;
+        }
     }
     if (level >= SD_LOG_WARN || std::getenv("ANIMA_VAE_VERBOSE") != nullptr) {
         fputs(text, stderr);
@@ -65,6 +76,7 @@ uint8_t float_to_u8(float value) {  // same rounding as sd.cpp's preprocessing_f
 extern "C" {
 
 const char* anima_vae_last_error() {
+    std::lock_guard<std::mutex> lock(error_mutex);
     return last_error.c_str();
 }
 
@@ -73,13 +85,13 @@ const char* anima_vae_last_error() {
 // as F16 whatever the file holds; the type applies to the other layers (2-D resample convs,
 // attention projections).
 void* anima_vae_load(const char* path, int threads, int weight_type) {
-    last_error.clear();
+    set_error("");
     sd_set_log_callback(log_to_stderr, nullptr);
     sd_set_progress_callback(ignore_progress, nullptr);
 
     ModelLoader loader;
     if (!loader.init_from_file(path, "vae.")) {
-        last_error = std::string("cannot read VAE file ") + path;
+        set_error(std::string("cannot read VAE file ") + path);
         return nullptr;
     }
     loader.convert_tensors_name();  // vae.decoder.* -> first_stage_model.decoder.*
@@ -97,7 +109,7 @@ void* anima_vae_load(const char* path, int threads, int weight_type) {
                                                       true,
                                                       VERSION_QWEN_IMAGE);
     if (!vae->runner->alloc_params_buffer()) {
-        last_error = "cannot allocate the VAE weights";
+        set_error("cannot allocate the VAE weights");
         return nullptr;
     }
     std::map<std::string, ggml_tensor*> tensors;
@@ -117,7 +129,7 @@ void* anima_vae_load(const char* path, int threads, int weight_type) {
 // Returns 0 on success. tile is in latent pixels, overlap a fraction (sd.cpp clamps it to [0, 0.5]).
 int anima_vae_decode(void* handle, const float* latent, int w, int h, int tiled, int tile, float overlap,
                      uint8_t* out_rgb) {
-    last_error.clear();
+    set_error("");
     auto* vae = static_cast<AnimaVae*>(handle);
 
     // ggml order [W, H, C, N] is the memory order of a C-contiguous [N, C, H, W] array
