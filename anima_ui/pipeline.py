@@ -89,20 +89,26 @@ Event = PhaseEvent | StepEvent | ResultEvent
 class Pipeline:
     """The loaded model: DiT host weights, the text encoder, the branch runtime choice and the VAE path."""
 
-    def __init__(self, paths, config, weights, text_encoder, backend: str, runtime_options: dict):
+    def __init__(self, paths, config, weights, text_encoder, backend: str, runtime_options: dict, decoder: str = "sdcpp"):
         self.paths = paths
         self.config = config
         self.weights = weights
         self.text_encoder = text_encoder
         self.backend = backend
         self.runtime_options = runtime_options
+        self.decoder = decoder
         self.runtime = None  # the branch runtime of the running generation (the UI's status panel reads it)
         self._torch_branches = None
 
     @classmethod
-    def load(cls, models_dir, backend: str = "torch", **runtime_options) -> "Pipeline":
+    def load(cls, models_dir, backend: str = "torch", decoder: str = "sdcpp", **runtime_options) -> "Pipeline":
+        """decoder: "sdcpp" (stable-diffusion.cpp's tiled VAE, falling back to torch with a warning) or "torch"."""
+        from anima_ui.vae.decode import DECODERS
+
         if backend not in BACKENDS:
             raise UserError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        if decoder not in DECODERS:
+            raise UserError(f"unknown VAE decoder {decoder!r}: choose one of {', '.join(DECODERS)}")
         from anima_ui.model.checkpoint import load_dit, split_adapter
         from anima_ui.modelfiles import ModelPaths
         from anima_ui.runtime.host_weights import load_host_weights
@@ -113,7 +119,7 @@ class Pipeline:
         # (1.2 GB instead of 8.4 GB in fp32 at full size), which is what fits next to the NPU on an 8 GB board.
         config, state = load_dit(paths.dit) if backend == "torch" else load_host_weights(paths.dit)
         text_encoder = TextEncoder.load(paths, split_adapter(state))
-        return cls(paths, config, state, text_encoder, backend, runtime_options)
+        return cls(paths, config, state, text_encoder, backend, runtime_options, decoder)
 
     # -- one generation ---------------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
@@ -267,7 +273,7 @@ class Pipeline:
     def _decode(self, latent):
         from anima_ui.vae.decode import decode_latent
 
-        return decode_latent(latent, self.paths.vae)
+        return decode_latent(latent, self.paths.vae, prefer=self.decoder)
 
 
 def _check(cancel: threading.Event) -> None:

@@ -25,7 +25,7 @@ def decode_latent(latent, vae_path, prefer: str = "sdcpp", tiled: bool = True, t
                 pixels = decoder.decode(latent, tiled=tiled, tile=tile, overlap=overlap)
             return Image.fromarray(pixels, "RGB"), "sdcpp", None
         except NativeDecoderUnavailable as exc:
-            warning = f"stable-diffusion.cpp VAE unavailable ({exc}); decoded with the slower torch decoder"
+            warning = f"stable-diffusion.cpp VAE unavailable ({exc}); decoded with the torch decoder"
     pixels = _torch_decode(latent, Path(vae_path), tiled, threads, tile, overlap)
     return Image.fromarray(pixels, "RGB"), "torch", warning
 
