@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anima_ui.commands.runtime_flags import add_runtime_arguments, runtime_options
+from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
 from anima_ui.errors import UserError
 from anima_ui.pipeline import BACKENDS, GenerationRequest, Pipeline, PhaseEvent, ResultEvent, StepEvent
 
@@ -27,13 +27,10 @@ def add_arguments(parser):
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--height", type=int, default=512)
     parser.add_argument("--backend", default="torch", help=f"one of {', '.join(BACKENDS)}")
-    add_runtime_arguments(parser)
+    add_pipeline_arguments(parser)
     parser.add_argument("--spectrum", action="store_true", help="forecast about half the steps (sd.cpp's Spectrum)")
     for name, kind in SPECTRUM_FLAGS.items():
         parser.add_argument(f"--spectrum-{name}", type=kind, default=None, help=f"Spectrum parameter {name}" + (" (sdcpp | velocity)" if name == "variant" else ""))
-    parser.add_argument("--decoder", default="sdcpp",
-                        help="final VAE decode: sdcpp (stable-diffusion.cpp, tiled; the board's choice) or torch "
-                             "(the project's own tiled decoder; faster on x86 PCs: anima-ui bench vae)")
     parser.add_argument("--out", required=True, help="output PNG path")
     parser.add_argument("--save-latent", help="also save the final latent as float32 .npy, shape (1, 16, H/8, W/8)")
 
@@ -56,7 +53,7 @@ def run(args) -> int:
         spectrum_params={k: getattr(args, f"spectrum_{k}") for k in SPECTRUM_FLAGS if getattr(args, f"spectrum_{k}") is not None},
     )
     request.validate()  # fail on bad numbers before spending seconds on loading the model
-    pipeline = Pipeline.load(args.models, backend=args.backend, decoder=args.decoder, **runtime_options(args))
+    pipeline = Pipeline.load(args.models, backend=args.backend, **pipeline_options(args))
 
     for event in pipeline.generate(request):
         if isinstance(event, PhaseEvent):

@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from anima_ui.commands.runtime_flags import add_runtime_arguments, runtime_options
+from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
 from anima_ui.pipeline import BACKENDS
 
 
@@ -16,7 +16,7 @@ def add_arguments(parser):
     parser.add_argument("--presets", default="presets", help="folder of preset JSON files")
     parser.add_argument("--password", default=None, help="require this password (default: $ANIMA_UI_PASSWORD, else none)")
     parser.add_argument("--demo", action="store_true", help="use a random-weight tiny model made under ~/.cache/anima-ui")
-    add_runtime_arguments(parser)
+    add_pipeline_arguments(parser)
 
 
 def run(args) -> int:
@@ -36,7 +36,7 @@ def run(args) -> int:
         port=args.port,
         password=args.password or os.environ.get("ANIMA_UI_PASSWORD") or None,
         demo=args.demo,
-        runtime_options=runtime_options(args),
+        pipeline_options=pipeline_options(args),
     )
     app = App(config)
     if app.missing:

@@ -46,7 +46,7 @@ class AppConfig:
     password: str | None = None
     demo: bool = False
     preview_size: int = 384
-    runtime_options: dict = field(default_factory=dict)
+    pipeline_options: dict = field(default_factory=dict)  # Pipeline.load keyword arguments (decoder, runtime)
 
 
 class App:
@@ -55,7 +55,7 @@ class App:
         self.history = History(config.outputs_dir)
         self.missing = setup.missing_message(config.models_dir)
         self.manager = JobManager(
-            lambda: Pipeline.load(config.models_dir, backend=config.backend, **config.runtime_options),
+            lambda: Pipeline.load(config.models_dir, backend=config.backend, **config.pipeline_options),
             self.history,
             Path(config.outputs_dir) / ".previews",
             preview_size=config.preview_size,

@@ -1,7 +1,11 @@
-"""The branch-runtime flags that `generate` and `serve` share, and the options they become for `open_runtime`."""
+"""The pipeline flags that `generate` and `serve` share (VAE decoder, branch runtime), and the keyword
+arguments they become for `Pipeline.load`."""
 
 
-def add_runtime_arguments(parser):
+def add_pipeline_arguments(parser):
+    parser.add_argument("--decoder", default="sdcpp",
+                        help="final VAE decode: sdcpp (stable-diffusion.cpp, tiled; the board's choice) or torch "
+                             "(the project's own tiled decoder; faster on x86 PCs: anima-ui bench vae)")
     parser.add_argument("--no-prefetch", action="store_true", help="serial branch lifecycle, as the blog ran it")
     parser.add_argument("--max-contexts", type=int, default=2, help="graph contexts alive at once with prefetch")
     parser.add_argument("--time-scale", type=float, default=1.0,
@@ -9,8 +13,9 @@ def add_runtime_arguments(parser):
     parser.add_argument("--core-mask", default="auto", help="rknn backend: NPU cores (auto, 0, 1, 2, 0_1, 0_1_2, all)")
 
 
-def runtime_options(args) -> dict:
+def pipeline_options(args) -> dict:
     return {
+        "decoder": args.decoder,
         "prefetch": not args.no_prefetch,
         "max_contexts": args.max_contexts,
         "time_scale": args.time_scale,
