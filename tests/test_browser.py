@@ -2,6 +2,7 @@
 on the tiny random-weight model, at a phone and a desktop viewport. Screenshots go to test-artifacts/."""
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -119,13 +120,23 @@ def test_stop_cancels_the_running_job(browser, served):
     page.context.close()
 
 
+def wait_running(manager, seed, timeout=120.0):
+    """The job with this seed once the worker has run at least one of its steps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = manager.running()
+        if job is not None and job.request.seed == seed and job.step >= 1:
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"no job with seed {seed} started within {timeout} s")
+
+
 def test_a_reloaded_page_reattaches_to_its_job(browser, served):
     page = open_page(browser, served[1], PHONE)
     fill_form(page, "reload me", 6300, 60)
     page.tap("#go")
-    wait_status(page, "step")
-    job = served[0].manager.running()
-    assert job.request.seed == 6300 and job.step < job.total  # reloading mid-job
+    job = wait_running(served[0].manager, seed=6300)  # a job left by an earlier test may still be finishing
+    assert job.step < job.total  # reloading mid-job
     jobs_before = len(served[0].manager._order)
     page.reload()
     page.wait_for_selector("#go")
