@@ -104,9 +104,10 @@ def strip_prefix(key: str) -> str:
     return key
 
 
-def load_dit(path, dtype=np.float32) -> tuple[AnimaConfig, dict[str, np.ndarray]]:
+def load_dit(path, dtype=np.float32, keep=None) -> tuple[AnimaConfig, dict[str, np.ndarray]]:
     """Read an Anima DiT safetensors file without torch. Unknown keys are ignored; a missing or misshapen
-    tensor, or a damaged file, raises UserError."""
+    tensor, or a damaged file, raises UserError. `keep(key) -> bool` reads only some tensors (every key is
+    still checked): the graph backends need only the host's."""
     path = Path(path)
     header, data_start = _read_header(path)
     entries = {strip_prefix(k): v for k, v in header.items() if k != "__metadata__"}
@@ -120,7 +121,7 @@ def load_dit(path, dtype=np.float32) -> tuple[AnimaConfig, dict[str, np.ndarray]
                 f"{path.name}: tensor {key!r} has shape {tuple(entries[key]['shape'])}, expected {shape} (re-download the file)"
             )
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    state = {key: _tensor(path, raw, data_start, key, entries[key], dtype) for key in expected}
+    state = {key: _tensor(path, raw, data_start, key, entries[key], dtype) for key in expected if keep is None or keep(key)}
     return cfg, state
 
 
