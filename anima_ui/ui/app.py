@@ -218,18 +218,24 @@ class App:
         return gr.update(choices=form.list_presets(self.config.presets_dir), value=stem), f"Saved preset **{stem}**."
 
     def download_models(self):
+        """Fetch the missing official files, then prepare them for the backend (export, RKNN conversion)."""
         plan = setup.download_plan(self.config.models_dir)
         lines = []
         try:
             for line in setup.download(plan, self.config.models_dir):
                 lines = (lines + [line])[-8:]
                 yield "\n".join(lines)
+            self.missing = setup.missing_message(self.config.models_dir)
+            if self.missing:
+                yield "\n".join(lines + [f"⚠️ still missing: {self.missing}"])
+                return
+            for line in setup.prepare(self.config.models_dir, self.config.backend):
+                lines = (lines + [line])[-8:]
+                yield "\n".join(lines)
         except UserError as exc:
             yield "\n".join(lines + [f"⚠️ {exc}"])
             return
-        self.missing = setup.missing_message(self.config.models_dir)
-        yield "\n".join(lines + [self.missing and f"⚠️ still missing: {self.missing}" or
-                                 "✅ All files are in place; the first generation loads the model."])
+        yield "\n".join(lines + ["✅ All files are in place; the first generation loads the model."])
 
     def status_panel(self):
         return system.status_markdown(self.manager, self.config.backend)

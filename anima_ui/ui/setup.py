@@ -119,6 +119,46 @@ def _download_url(url: str, target: Path, label: str, chunk_bytes: int = 1 << 22
         temp.unlink(missing_ok=True)
 
 
+def prepare(models_dir, backend: str, width: int = 512, height: int = 512):
+    """Generator: progress lines while the downloaded model is made ready for `backend`: the ONNX export for
+    onnx/sim, and for rknn also the RKNN conversion where this machine has the toolkit (an x86-64 PC with
+    .venv-rknn); the board itself cannot convert, so there the lines say where to do it."""
+    from anima_ui.convert.convert_rknn import VENV_PYTHON
+    from anima_ui.modelfiles import ModelPaths
+
+    if backend == "torch":
+        return
+    paths = ModelPaths.find(models_dir)
+    exported, converted = paths.exported_dir(width, height), paths.rknn_dir(width, height)
+    if backend == "rknn" and (converted / "manifest.json").is_file():
+        return
+    if backend == "rknn" and not VENV_PYTHON.exists():
+        yield (f"RKNN graphs for {width}x{height} are missing: convert them on an x86-64 PC with "
+               "`anima-ui export` and `anima-ui convert-rknn` (README, 'On the board'), then copy models/ here")
+        return
+    if not (exported / "manifest.json").is_file():
+        yield from _run_cli("export", "--models", str(models_dir), "--width", str(width), "--height", str(height))
+    if backend == "rknn":
+        yield from _run_cli("convert-rknn", "--onnx", str(exported), "--out", str(converted), "--target", "rk3588")
+
+
+def _run_cli(*args):
+    """Run an `anima-ui` command in a child process (the export needs the whole fp32 DiT, which the server
+    should not keep), yielding its output lines; a failure ends in a UserError with its last line."""
+    label = f"anima-ui {args[0]}"
+    yield f"{label}: starting"
+    process = subprocess.Popen([sys.executable, "-m", "anima_ui", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    last = ""
+    for line in process.stdout:
+        if line.strip():
+            last = line.strip()
+            yield f"{label}: {last}"
+    if process.wait() != 0:
+        raise UserError(f"{label} failed: {last}")
+    yield f"{label}: done"
+
+
 def demo_model_dir(cache_dir=None) -> Path:
     """A tiny random-weight model in the official layout, made once by `anima-ui random-model` and reused."""
     cache = Path(cache_dir or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "anima-ui"
