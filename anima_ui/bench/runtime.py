@@ -9,7 +9,6 @@
 (c) --board: on an RK3588, the blog's table (load / init / inference / release per branch kind,
     per-step totals, MemAvailable, PSS, swap) from real steps of the rknn backend."""
 
-import argparse
 import json
 import statistics
 import subprocess
