@@ -83,7 +83,9 @@ def test_committed_presets_are_valid():
     from pathlib import Path
 
     presets = Path(__file__).parent.parent / "presets"
-    for name in form.list_presets(presets):
+    names = form.list_presets(presets)
+    assert len(names) == len(list(presets.glob("*.json"))) >= 1
+    for name in names:
         values = form.load_preset(presets, name)
         _request(**{k: v for k, v in values.items() if k in ("negative", "cfg", "steps", "size", "spectrum")})
 
