@@ -70,8 +70,16 @@ def open_page(browser, url, device):
 def fill_form(page, prompt, seed, steps):
     page.fill("#prompt textarea", prompt)
     page.click("#settings .label-wrap")
-    page.fill("#seed textarea", str(seed))
-    page.fill("#steps input", str(steps))
+    # The accordion mounts its fields as it opens; a value typed in the same millisecond can be lost to that
+    # first render (seen once in CI: the job ran with the default random seed), so fill until the values hold.
+    fields = {"#prompt textarea": prompt, "#seed textarea": str(seed), "#steps input": str(steps)}
+    for _ in range(3):
+        for selector, value in fields.items():
+            page.fill(selector, value)
+        page.wait_for_timeout(100)
+        if all(page.input_value(selector) == value for selector, value in fields.items()):
+            return
+    raise AssertionError(f"the form did not keep {fields}")
 
 
 def wait_status(page, text, timeout=120):
