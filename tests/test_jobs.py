@@ -1,8 +1,6 @@
 """The job engine on the real pipeline with the tiny random-weight model (torch backend)."""
 
 import shutil
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -10,15 +8,14 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from anima_ui.commands.random_model import write_random_model
 from anima_ui.history import History
 from anima_ui.jobs import FINISHED, JobManager
 from anima_ui.pipeline import GenerationRequest, Pipeline
 
 
 def make_tiny_model(folder):
-    subprocess.run([sys.executable, "-m", "anima_ui", "random-model", "--config", "tiny", "--seed", "0",
-                    "--out", str(folder)], check=True, capture_output=True)
-    return folder
+    return write_random_model(folder, "tiny", 0)
 
 
 @pytest.fixture(scope="module")
