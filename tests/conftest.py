@@ -1,5 +1,8 @@
 """Shared fixtures: the tiny random-weight Anima model in the official key layout."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -29,3 +32,28 @@ def save_dit_file(state: dict[str, np.ndarray], path, prefix: str = "net.", dtyp
 def write_dit_file():
     """save_dit_file(state, path, prefix="net.", dtype=torch.bfloat16)."""
     return save_dit_file
+
+
+RKNNLITE_STANDIN = Path(__file__).parent / "rknnlite_standin"
+STANDIN_VARIABLES = ("RKNN_STANDIN_FAULT", "RKNN_STANDIN_FAULT_FILE", "RKNN_STANDIN_RUNTIME", "RKNN_STANDIN_DRIVER")
+
+
+@pytest.fixture
+def rknnlite_standin(monkeypatch):
+    """tests/rknnlite_standin importable as `rknnlite` (with rknn-toolkit-lite2 2.5.0's metadata): the RKNNLite
+    2.5.0 API over onnxruntime, faults injected with RKNN_STANDIN_* variables. Yields its rknn_lite module."""
+    monkeypatch.syspath_prepend(str(RKNNLITE_STANDIN))
+    for name in STANDIN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    _forget_rknnlite()
+    import rknnlite.api.rknn_lite as standin
+
+    standin.CALLS.clear()
+    standin.OPEN.clear()
+    yield standin
+    _forget_rknnlite()
+
+
+def _forget_rknnlite():
+    for name in [m for m in sys.modules if m == "rknnlite" or m.startswith("rknnlite.")]:
+        del sys.modules[name]

@@ -4,7 +4,7 @@
 - OnnxBackend: onnxruntime on the CPU.
 - SimulatedBoard: onnxruntime computes the numbers, and every phase lasts at least what the RK3588
   latency table (board_latency.py) says, times `time_scale`.
-- RknnLiteBackend: rknn-toolkit-lite2 on the board, written to the RKNNLite API (rknn.md §2.1)."""
+- RknnLiteBackend: rknn-toolkit-lite2 2.5.0 on the board."""
 
 import threading
 import time
@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from anima_ui.errors import UserError
-from anima_ui.runtime import board_latency
+from anima_ui.runtime import board, board_latency
 from anima_ui.runtime.manifest import GraphEntry
+from anima_ui.runtime.native_output import captured_output
 
 
 class Backend:
@@ -157,14 +158,19 @@ class SimulatedBoard(OnnxBackend):
 
 RKNN_INSTALL_HINT = (
     "the rknn backend needs rknn-toolkit-lite2 on the RK3588 board: `pip install rknn-toolkit-lite2==2.5.0` "
-    "(aarch64 only) and librknnrt.so 2.5.0 in /usr/lib (or LIBRKNNRT_PATH)"
+    "(aarch64 only) and librknnrt.so 2.5.0 in /usr/lib (or LIBRKNNRT_PATH); `anima-ui doctor` checks both"
 )
 CORE_MASKS = ("auto", "0", "1", "2", "0_1", "0_1_2", "all")
 
 
 class RknnLiteBackend(Backend):
-    """RKNNLite (rknn.md §2.1): load_rknn(path) -> init_runtime(core_mask=...) -> inference(inputs=[...])
-    -> release(). Both calls return 0 on success. Imported only when the backend is opened."""
+    """RKNNLite: load_rknn(path) -> init_runtime(core_mask=...) -> inference(inputs=[...]) -> release().
+    load_rknn and init_runtime return 0 on success, inference the outputs (None on failure). Imported only when
+    the backend is opened.
+
+    A failed call raises a UserError that quotes the runtime's own `E RKNN:` lines (captured at the
+    file-descriptor level: librknnrt prints them from C) and names the likely causes; a context whose init
+    failed is released. Every output is checked against the manifest's output spec and reshaped to it."""
 
     name = "rknn"
     graph_format = "rknn"
@@ -172,42 +178,71 @@ class RknnLiteBackend(Backend):
     def __init__(self, core_mask: str = "auto"):
         super().__init__()
         try:
-            from rknnlite.api import RKNNLite
+            from rknnlite.api import RKNNLite  # aarch64 only: imported when the board backend is chosen
         except ImportError:
             raise UserError(RKNN_INSTALL_HINT) from None
         if core_mask not in CORE_MASKS:
             raise UserError(f"unknown NPU core mask {core_mask!r}: choose one of {', '.join(CORE_MASKS)}")
         self._RKNNLite = RKNNLite
         self.core_mask = getattr(RKNNLite, "NPU_CORE_" + core_mask.upper())
+        self.sdk_version = None  # RKNNLite.get_sdk_version() after the first init: the runtime's and driver's versions
 
     def input_dtype(self, entry, index):
         return np.dtype(np.float32)  # the runtime converts float32 to the model's FP16 itself
 
     def load(self, folder, entry):
         rknn = self._RKNNLite(verbose=False)
-        path = str(Path(folder, entry.file))
-        if rknn.load_rknn(path) != 0:
-            raise UserError(f"RKNNLite could not load {path}; convert it again with `anima-ui convert-rknn`")
+        with captured_output() as out:
+            code = rknn.load_rknn(str(Path(folder, entry.file)))
+        if code != 0:
+            raise UserError(board.explain_failure("load_rknn", entry.file, out.text, _toolkit(entry)))
         return rknn
 
     def init(self, loaded, entry):
-        if loaded.init_runtime(core_mask=self.core_mask) != 0:
-            loaded.release()
-            raise UserError(f"RKNNLite init_runtime failed for {entry.file}; check that librknnrt.so is >= the toolkit version in the manifest")
-        # load_rknn keeps the whole file as Python bytes; the context no longer needs them (rknn.md §2.1).
+        with captured_output() as out:
+            code = loaded.init_runtime(core_mask=self.core_mask)
+        if code != 0:
+            loaded.release()  # a failed init may still hold a runtime (a rejected core mask, for one)
+            raise UserError(board.explain_failure("init_runtime", entry.file, out.text, _toolkit(entry)))
+        if self.sdk_version is None:
+            with captured_output():
+                self.sdk_version = loaded.get_sdk_version() or ""
+        # load_rknn keeps the whole file as Python bytes; the context no longer needs them after init.
         loaded.rknn_data = None
         self._opened(+1)
         return loaded
 
     def run(self, context, entry, arrays):
-        outputs = context.inference(inputs=arrays)
+        with captured_output() as out:
+            outputs = context.inference(inputs=arrays)
         if outputs is None:
-            raise UserError(f"RKNNLite inference failed for {entry.file}")
-        return outputs[0]
+            raise UserError(board.explain_failure("inference", entry.file, out.text, _toolkit(entry)))
+        return check_outputs(outputs, entry)[0]
 
     def release(self, context, entry):
-        context.release()
+        with captured_output():
+            context.release()
         self._opened(-1)
+
+
+def check_outputs(outputs: list, entry: GraphEntry) -> list[np.ndarray]:
+    """The runtime's outputs reshaped to the manifest's output shapes (it may add or drop unit axes); a count or
+    size that does not match means the graph file is not the one the manifest describes."""
+    if len(outputs) != len(entry.outputs):
+        raise UserError(f"{entry.file} gave {len(outputs)} outputs, its manifest lists {len(entry.outputs)}: "
+                        "the graphs folder is inconsistent; convert again with `anima-ui convert-rknn`")
+    shaped = []
+    for spec, output in zip(entry.outputs, outputs):
+        output = np.asarray(output)
+        if output.size != int(np.prod(spec.shape)):
+            raise UserError(f"{entry.file} output {spec.name} has shape {output.shape}, its manifest says {spec.shape}: "
+                            "the graphs folder is inconsistent; convert again with `anima-ui convert-rknn`")
+        shaped.append(output.reshape(spec.shape))
+    return shaped
+
+
+def _toolkit(entry: GraphEntry) -> str | None:
+    return entry.extra.get("toolkit")
 
 
 def make_backend(name: str, time_scale: float = 1.0, core_mask: str = "auto", threads: int = 0,

@@ -1,0 +1,1 @@
+from rknnlite.api.rknn_lite import RKNNLite
