@@ -18,6 +18,7 @@ COMMANDS = {
     "bench": ("bench", "benchmarks that print tables: runtime, spectrum, vae"),
     "spectrum-plan": ("spectrum_plan", "print which steps Spectrum computes and which it forecasts"),
     "serve": ("serve", "start the Gradio app"),
+    "doctor": ("doctor", "check the board: NPU driver and device, librknnrt.so, memory, model files, one graph on the NPU"),
 }
 
 

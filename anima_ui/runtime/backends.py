@@ -175,7 +175,8 @@ class RknnLiteBackend(Backend):
     name = "rknn"
     graph_format = "rknn"
 
-    def __init__(self, core_mask: str = "auto"):
+    def __init__(self, core_mask: str = "auto", npu: board.NpuDevice | None = None, library: board.Librknnrt | None = None):
+        """npu, library: this machine's facts for error messages, when the caller has them (else probed on failure)."""
         super().__init__()
         try:
             from rknnlite.api import RKNNLite  # aarch64 only: imported when the board backend is chosen
@@ -186,6 +187,7 @@ class RknnLiteBackend(Backend):
         self._RKNNLite = RKNNLite
         self.core_mask = getattr(RKNNLite, "NPU_CORE_" + core_mask.upper())
         self.sdk_version = None  # RKNNLite.get_sdk_version() after the first init: the runtime's and driver's versions
+        self._facts = {"npu": npu, "library": library}
 
     def input_dtype(self, entry, index):
         return np.dtype(np.float32)  # the runtime converts float32 to the model's FP16 itself
@@ -195,7 +197,7 @@ class RknnLiteBackend(Backend):
         with captured_output() as out:
             code = rknn.load_rknn(str(Path(folder, entry.file)))
         if code != 0:
-            raise UserError(board.explain_failure("load_rknn", entry.file, out.text, _toolkit(entry)))
+            raise UserError(board.explain_failure("load_rknn", entry.file, out.text, _toolkit(entry), **self._facts))
         return rknn
 
     def init(self, loaded, entry):
@@ -203,7 +205,7 @@ class RknnLiteBackend(Backend):
             code = loaded.init_runtime(core_mask=self.core_mask)
         if code != 0:
             loaded.release()  # a failed init may still hold a runtime (a rejected core mask, for one)
-            raise UserError(board.explain_failure("init_runtime", entry.file, out.text, _toolkit(entry)))
+            raise UserError(board.explain_failure("init_runtime", entry.file, out.text, _toolkit(entry), **self._facts))
         if self.sdk_version is None:
             with captured_output():
                 self.sdk_version = loaded.get_sdk_version() or ""
@@ -216,7 +218,7 @@ class RknnLiteBackend(Backend):
         with captured_output() as out:
             outputs = context.inference(inputs=arrays)
         if outputs is None:
-            raise UserError(board.explain_failure("inference", entry.file, out.text, _toolkit(entry)))
+            raise UserError(board.explain_failure("inference", entry.file, out.text, _toolkit(entry), **self._facts))
         return check_outputs(outputs, entry)[0]
 
     def release(self, context, entry):

@@ -193,7 +193,7 @@ def parse_sdk_version(text: str | None) -> dict[str, str]:
     the runtime's init lines ("librknnrt version: 2.3.2", "RKNN Driver Information, version: 0.9.8")."""
     found = {}
     patterns = {"api": (r"API:\s*([0-9][^\s]*)", r"librknnrt version:\s*([0-9][^\s]*)"),
-                "driver": (r"DRV:[^0-9\n]*([0-9][0-9.]*[0-9])", r"Driver Information,? version:\s*([0-9][0-9.]*[0-9])")}
+                "driver": (r"DRV:[^0-9\n]*([0-9][0-9.]*[0-9])", r"Driver Information[,:]? version:\s*([0-9][0-9.]*[0-9])")}
     for key, options in patterns.items():
         for pattern in options:
             match = re.search(pattern, text or "")

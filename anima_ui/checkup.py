@@ -1,0 +1,343 @@
+"""The checks `anima-ui doctor` prints (and the app's status panel shows): the NPU stack bottom up, memory, the
+model files and the hashes the manifests record, and one converted graph run on the NPU against its ONNX twin.
+
+Each check is a Row with a status: ok, warn (works, but look), fail (blocks the NPU path; the row says the fix),
+absent (no NPU on this machine) or skip (a later check that an earlier failure or a flag left out).
+`verdict(rows)` sums them up in one line. Nothing here imports torch: the board has none."""
+
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from anima_ui import modelfiles
+from anima_ui.errors import UserError
+from anima_ui.runtime import board
+from anima_ui.runtime.manifest import MANIFEST, Manifest, sha256_file
+from anima_ui.runtime.memory import read_meminfo
+
+GIB = 1 << 30
+MIN_COSINE = 0.9999  # the FP16 gate of `anima-ui verify` and of the conversion's simulator check
+APP_NEEDS_GIB = 3.0  # what one generation at 512x512 holds on the board's host
+LITE2_PYTHONS = ((3, 7), (3, 12))  # rknn-toolkit-lite2 2.5.0 publishes wheels for these
+
+
+@dataclass(frozen=True)
+class Row:
+    check: str
+    status: str  # ok | warn | fail | absent | skip
+    value: str
+    fix: str | None = None
+
+
+@dataclass(frozen=True)
+class Report:
+    rows: list[Row]
+    npu_present: bool  # an rknpu driver or an NPU device node exists
+    arch: str
+
+
+def collect(models_dir, width: int | None = None, height: int | None = None, quick: bool = False, core_mask: str = "auto",
+            root: Path = Path("/"), environ=os.environ, arch: str | None = None, progress=None) -> Report:
+    """Every check, in order. quick: leave out the file hashes and the NPU run (seconds instead of minutes).
+    root, environ and arch are this machine's unless a test passes others."""
+    npu = board.find_npu(root)
+    is_arm = (arch or platform.machine()) == "aarch64"
+    lite2 = board.find_lite2()
+    library = board.find_librknnrt(environ)
+    rows = [_machine_row(npu, is_arm, arch or platform.machine())]
+    rows += _npu_rows(npu, is_arm)
+    rows.append(_lite2_row(lite2, is_arm))
+    rows.append(_library_row(library, is_arm))
+    models = Path(models_dir)
+    graphs = _graph_folders(models, "rknn")
+    rows.append(_toolkit_row(graphs, library))
+    rows += _memory_rows(root)
+    rows += _model_rows(models)
+    if quick:
+        rows.append(Row("hashes", "skip", "left out (--quick)"))
+        rows.append(Row("NPU run", "skip", "left out (--quick)"))
+    else:
+        rows += _hash_rows(models, progress)
+        rows.append(_npu_run_row(models, graphs, width, height, core_mask, lite2, npu, library))
+    return Report(rows, npu.present, arch or platform.machine())
+
+
+def verdict(report: Report) -> tuple[bool, str]:
+    """(ready, one line): ready when the NPU path works end to end."""
+    rows = report.rows
+    fails = [r for r in rows if r.status == "fail"]
+    warns = [r for r in rows if r.status == "warn"]
+    if not report.npu_present:
+        return False, (f"no NPU present: this {report.arch} machine has no rknpu driver and no {board.NPU_NODE}, so the rknn "
+                       "backend cannot run here; `anima-ui serve` and `anima-ui generate` use --backend auto, which picks onnx or torch")
+    if fails:
+        names = ", ".join(r.check for r in fails)
+        return False, f"not ready for the NPU: {len(fails)} failed check{'s' * (len(fails) > 1)} ({names}); fix them top down and run `anima-ui doctor` again"
+    run = next((r for r in rows if r.check == "NPU run"), None)
+    if run is None or run.status != "ok":
+        return False, "the NPU stack looks complete, but no converted graph ran: run `anima-ui doctor` without --quick, with converted graphs in the model folder"
+    note = f" ({len(warns)} warning{'s' * (len(warns) > 1)} above)" if warns else ""
+    return True, f"ready: the NPU ran a converted graph and matched its ONNX twin{note}; next `anima-ui verify --backend rknn --reference onnx`"
+
+
+# -- the NPU stack -------------------------------------------------------------------------------------------------
+def _machine_row(npu: board.NpuDevice, is_arm: bool, arch: str) -> Row:
+    python = sys.version_info[:2]
+    value = f"{arch}, {npu.soc or 'no Rockchip SoC in the device tree'}, Python {platform.python_version()}"
+    if is_arm and not LITE2_PYTHONS[0] <= python <= LITE2_PYTHONS[1]:
+        return Row("machine", "fail", value, "rknn-toolkit-lite2 2.5.0 has wheels for Python 3.7-3.12 only: install Python 3.12 "
+                                             "(e.g. with pyenv) and run `PYTHON=python3.12 bash scripts/setup.sh`")
+    return Row("machine", "ok" if npu.soc else "absent", value)
+
+
+def _npu_rows(npu: board.NpuDevice, is_arm: bool) -> list[Row]:
+    if not npu.present:
+        fix = "use a board image whose kernel has Rockchip's RKNPU driver (vendor 5.10/6.1 kernels do)" if is_arm else None
+        return [Row("NPU driver", "fail" if is_arm else "absent", "no rknpu driver", fix),
+                Row("NPU device", "fail" if is_arm else "absent", f"no {board.NPU_NODE}")]
+    version = f" {npu.driver_version}" if npu.driver_version else " (version: reported by the runtime below, or `sudo cat /sys/kernel/debug/rknpu/version`)"
+    rows = [Row("NPU driver", "ok" if npu.driver else "warn", f"{npu.driver or 'unknown driver'}{version}")]
+    if npu.node is None:
+        rows.append(Row("NPU device", "fail", f"driver {npu.driver} loaded, no render node {board.NPU_NODE}",
+                        "the kernel's RKNPU driver must be the DRM one (CONFIG_ROCKCHIP_RKNPU_DRM_GEM): use the board vendor's image"))
+        return rows
+    access = "read-write" if npu.access else "no access"
+    rows.append(Row("NPU device", "ok" if npu.access else "fail", f"{npu.node} (group {npu.node_group}): {access} for {npu.user}",
+                    npu.access_fix()))
+    missing = [g for g in board.NPU_GROUPS if g not in npu.groups]
+    groups = f"{npu.user} in {', '.join(g for g in npu.groups if g in board.NPU_GROUPS) or 'neither render nor video'}"
+    if not missing or os.getuid() == 0:
+        rows.append(Row("groups", "ok", groups + (" (root)" if os.getuid() == 0 else "")))
+    else:
+        rows.append(Row("groups", "ok" if npu.access else "warn", f"{groups}; not in {', '.join(missing)}",
+                        None if npu.access else board.GROUP_FIX))
+    return rows
+
+
+def _lite2_row(lite2: board.Lite2, is_arm: bool) -> Row:
+    if lite2.import_error is None:
+        return Row("rknn-toolkit-lite2", "ok", lite2.version or "imports (version unknown)")
+    if not is_arm:
+        return Row("rknn-toolkit-lite2", "absent", "not installed (its wheels are aarch64 only)")
+    return Row("rknn-toolkit-lite2", "fail", f"cannot import rknnlite: {lite2.import_error}", board.LITE_FIX)
+
+
+def _library_row(library: board.Librknnrt, is_arm: bool) -> Row:
+    where = f"{library.path}" + (" (LIBRKNNRT_PATH)" if library.path != board.LIBRKNNRT_DEFAULT else "")
+    if not library.exists:
+        status = "fail" if is_arm else "absent"
+        return Row("librknnrt.so", status, f"{where} not found", board.LIBRKNNRT_FIX if is_arm else None)
+    version = library.version or "no embedded version string"
+    if library.load_error:
+        return Row("librknnrt.so", "fail", f"{where} {version}: does not load ({library.load_error})",
+                   "it must be the aarch64 build: " + board.LIBRKNNRT_FIX)
+    return Row("librknnrt.so", "ok" if library.version else "warn", f"{where} {version}")
+
+
+def _toolkit_row(graphs: list[Path], library: board.Librknnrt) -> Row:
+    """The toolkit each converted size was made with, against the runtime that will load it (runtime >= toolkit)."""
+    if not graphs:
+        return Row("converted graphs", "skip", "none in the model folder",
+                   "convert on a PC: `anima-ui export`, then `anima-ui convert-rknn` (README, 'On the board')")
+    parts, gaps, unknown = [], [], False
+    for folder in graphs:
+        try:
+            toolkit = Manifest.read(folder).tools.get("rknn-toolkit2")
+        except UserError as exc:
+            return Row("converted graphs", "fail", str(exc), "convert again with `anima-ui convert-rknn`")
+        parts.append(f"{folder.name} by rknn-toolkit2 {toolkit}")
+        covers = board.runtime_covers(library.version, toolkit)
+        gaps += [toolkit] if covers is False else []
+        unknown |= covers is None
+    value = "; ".join(parts)
+    if gaps:
+        return Row("converted graphs", "warn", f"{value}; librknnrt.so {library.version} is older",
+                   f"not known to be compatible (a gap has given \"Invalid RKNN model version\"); the NPU run below decides; "
+                   f"to be safe install librknnrt.so >= {max(gaps, key=board.version_tuple)}")
+    if unknown:
+        return Row("converted graphs", "warn" if library.exists else "ok", value + "; runtime version unknown, so is compatibility")
+    return Row("converted graphs", "ok", f"{value}; librknnrt.so {library.version} >= toolkit: compatible")
+
+
+# -- memory --------------------------------------------------------------------------------------------------------
+def _memory_rows(root: Path) -> list[Row]:
+    info = read_meminfo(str(root / "proc/meminfo"))
+    total, available = info.get("MemTotal", 0) / GIB, info.get("MemAvailable", 0) / GIB
+    status = "ok" if available >= APP_NEEDS_GIB else "warn"
+    rows = [Row("memory", status, f"MemTotal {total:.2f} GiB, MemAvailable {available:.2f} GiB",
+                None if status == "ok" else f"a 512x512 generation holds about {APP_NEEDS_GIB:g} GiB: stop other programs first")]
+    swap_total, swap_free = info.get("SwapTotal", 0), info.get("SwapFree", 0)
+    devices = _swap_devices(root)
+    used = (swap_total - swap_free) / GIB
+    value = f"{swap_total / GIB:.2f} GiB, {used:.2f} GiB used" + (f" ({'; '.join(devices)})" if devices else "")
+    rows.append(Row("swap / zram", "ok", value if swap_total else "none"))
+    return rows
+
+
+def _swap_devices(root: Path) -> list[str]:
+    try:
+        lines = (root / "proc/swaps").read_text().splitlines()[1:]
+    except OSError:
+        return []
+    devices = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3:
+            name = os.path.basename(parts[0])
+            kind = "zram, compressed RAM" if name.startswith("zram") else parts[1]
+            devices.append(f"{name}: {kind}, {int(parts[2]) / (1 << 20):.2f} GiB")
+    return devices
+
+
+# -- model files and hashes ------------------------------------------------------------------------------------------
+def _model_rows(models: Path) -> list[Row]:
+    if not models.is_dir():
+        return [Row("model files", "warn", f"no model folder {models}", f"put the official files there ({modelfiles.README}) or pass --models")]
+    problems, found = [], []
+    dits = sorted((models / modelfiles.DIT_DIR).glob("*.safetensors"))
+    files = [dits[-1] if dits else models / modelfiles.DIT_DIR / "*.safetensors", models / modelfiles.TEXT_ENCODER, models / modelfiles.VAE]
+    files += [models / modelfiles.QWEN_TOKENIZER_DIR / f for f in modelfiles.QWEN_TOKENIZER_FILES]
+    files += [models / modelfiles.T5_TOKENIZER_DIR / f for f in modelfiles.T5_TOKENIZER_FILES]
+    for path in files:
+        if not path.is_file():
+            problems.append(f"missing {path.relative_to(models)}")
+            continue
+        if path.suffix == ".safetensors":
+            try:
+                modelfiles.check_safetensors(path)
+            except UserError as exc:
+                problems.append(str(exc))
+                continue
+            found.append(f"{path.name} {path.stat().st_size / GIB:.2f} GiB")
+    if problems:
+        return [Row("model files", "warn", "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""),
+                    f"download them as {modelfiles.README} says (or in the app)")]
+    return [Row("model files", "ok", ", ".join(found) + ", tokenizers")]
+
+
+def _graph_folders(models: Path, kind: str) -> list[Path]:
+    folder = models / kind
+    return sorted(p for p in folder.iterdir() if (p / MANIFEST).is_file()) if folder.is_dir() else []
+
+
+def _hash_rows(models: Path, progress) -> list[Row]:
+    """What the manifests record against the files: the checkpoint an export came from, every graph, and the ONNX
+    manifest a conversion came from."""
+    rows = []
+    hashes = {}
+
+    def sha(path: Path) -> str:
+        if path not in hashes:
+            if progress:
+                progress(f"hashing {path}")
+            hashes[path] = sha256_file(path)
+        return hashes[path]
+
+    dits = sorted((models / modelfiles.DIT_DIR).glob("*.safetensors"))
+    for kind in ("exported", "rknn"):
+        for folder in _graph_folders(models, kind):
+            try:
+                manifest = Manifest.read(folder)
+            except UserError as exc:
+                rows.append(Row(f"{kind}/{folder.name}", "fail", str(exc), "export or convert that size again"))
+                continue
+            bad = [g.file for g in manifest.graphs if sha(folder / g.file) != g.sha256]
+            notes = []
+            if kind == "exported" and manifest.source.get("sha256"):
+                dit = next((d for d in dits if d.name == manifest.source.get("file")), None)
+                if dit is None:
+                    notes.append(f"exported from {manifest.source.get('file')}, which is not in {modelfiles.DIT_DIR}")
+                elif sha(dit) != manifest.source["sha256"]:
+                    notes.append(f"exported from a different {dit.name} than the one here")
+            recorded = manifest.source.get("onnx_manifest_sha256")
+            twin = models / "exported" / folder.name / MANIFEST
+            if kind == "rknn" and recorded and twin.is_file() and sha(twin) != recorded:
+                notes.append(f"converted from other ONNX graphs than exported/{folder.name}")
+            status = "fail" if bad else "warn" if notes else "ok"
+            value = f"{len(manifest.graphs) - len(bad)}/{len(manifest.graphs)} graphs match the manifest"
+            value += (f"; differ: {', '.join(bad[:3])}" if bad else "") + (f"; {'; '.join(notes)}" if notes else "")
+            fix = None
+            if bad:
+                fix = "export again (`anima-ui export`)" if kind == "exported" else "convert again (`anima-ui convert-rknn`) or copy the folder again"
+            elif notes:
+                fix = "export (and convert) again from the checkpoint in this folder"
+            rows.append(Row(f"hashes {kind}/{folder.name}", status, value, fix))
+    return rows or [Row("hashes", "skip", "no exported or converted graphs to check")]
+
+
+# -- one graph on the NPU --------------------------------------------------------------------------------------------
+def check_inputs(entry, seed: int = 0) -> list[np.ndarray]:
+    """Inputs at the scale the branch graphs see: unit-RMS activations, RoPE as cos/sin of real rotations."""
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for spec in entry.inputs:
+        if spec.name in ("rope_cos", "rope_sin"):
+            angles = rng.uniform(0, 2 * np.pi, (spec.shape[0], spec.shape[1] // 2))
+            angles = np.concatenate([angles, angles], axis=1)
+            arrays.append((np.cos(angles) if spec.name == "rope_cos" else np.sin(angles)).astype(np.float32))
+        else:
+            arrays.append(rng.standard_normal(spec.shape).astype(np.float32))
+    return arrays
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300))
+
+
+def _npu_run_row(models: Path, graphs: list[Path], width, height, core_mask: str, lite2: board.Lite2, npu: board.NpuDevice,
+                 library: board.Librknnrt) -> Row:
+    if lite2.import_error is not None:
+        return Row("NPU run", "skip", "needs rknn-toolkit-lite2")
+    if not graphs:
+        return Row("NPU run", "skip", "no converted graphs to run")
+    folder = graphs[0]
+    if width and height:
+        folder = models / "rknn" / f"{width}x{height}"
+        if folder not in graphs:
+            return Row("NPU run", "fail", f"no converted graphs in {folder}", f"choose a converted size ({', '.join(g.name for g in graphs)}) or convert this one")
+    from anima_ui.runtime.backends import RknnLiteBackend
+
+    manifest = Manifest.read(folder)
+    entry = min(manifest.graphs, key=lambda g: (folder / g.file).stat().st_size)  # the quickest to load
+    inputs = check_inputs(entry)
+    backend = RknnLiteBackend(core_mask, npu, library)
+    try:
+        context = backend.init(backend.load(folder, entry), entry)
+        try:
+            out = backend.run(context, entry, inputs)
+        finally:
+            backend.release(context, entry)
+    except UserError as exc:
+        return Row("NPU run", "fail", f"{folder.name}/{entry.file}", str(exc))
+    versions = board.parse_sdk_version(backend.sdk_version)
+    ran = (f"{folder.name}/{entry.file} ran (runtime {versions.get('api', '?')}, driver {versions.get('driver', '?')}, "
+           f"core mask {core_mask})")
+    twin_file = entry.extra.get("onnx_file") or Path(entry.file).with_suffix(".onnx").name
+    twin = models / "exported" / folder.name / twin_file
+    if not twin.is_file():
+        return Row("NPU run", "warn", f"{ran}; no ONNX twin {twin} to compare with",
+                   f"copy models/exported/{folder.name} from the PC (the fp32 graphs `anima-ui export` wrote)")
+    if entry.extra.get("onnx_sha256") and sha256_file(twin) != entry.extra["onnx_sha256"]:
+        return Row("NPU run", "warn", f"{ran}; {twin} is not the ONNX graph it was converted from", "copy the matching exported folder from the PC")
+    import onnxruntime  # the reference runs on the CPU
+
+    session = onnxruntime.InferenceSession(str(twin), providers=["CPUExecutionProvider"])
+    feeds = {spec.name: array.astype(spec_dtype(session, spec.name)) for spec, array in zip(entry.inputs, inputs)}
+    expected = session.run(None, feeds)[0]
+    value = cosine(out, expected)
+    nonfinite = int((~np.isfinite(out)).sum())
+    result = f"{ran}; cosine {value:.7f} against {twin.name} on onnxruntime" + (f", {nonfinite} NaN/Inf" if nonfinite else "")
+    if value >= MIN_COSINE and not nonfinite:
+        return Row("NPU run", "ok", result)
+    return Row("NPU run", "fail", result + f" (the gate is {MIN_COSINE})",
+               "the NPU computes this graph wrongly: report the runtime, driver and toolkit versions above; try another librknnrt.so")
+
+
+def spec_dtype(session, name: str):
+    kind = next(i.type for i in session.get_inputs() if i.name == name)
+    return np.float16 if kind == "tensor(float16)" else np.float32
