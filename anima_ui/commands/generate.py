@@ -9,6 +9,7 @@ import numpy as np
 from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
 from anima_ui.errors import UserError
 from anima_ui.pipeline import BACKENDS, GenerationRequest, Pipeline, PhaseEvent, ResultEvent, StepEvent
+from anima_ui.runtime.auto import resolve as resolve_backend
 
 SPECTRUM_FLAGS = {
     "w": float, "m": int, "lam": float, "window": int, "flex": float, "warmup": int, "stop": float, "variant": str,
@@ -26,7 +27,9 @@ def add_arguments(parser):
     parser.add_argument("--cfg", type=float, default=4.0)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--height", type=int, default=512)
-    parser.add_argument("--backend", default="torch", help=f"one of {', '.join(BACKENDS)}")
+    parser.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
+                        help="how the DiT branches run; auto (default): rknn where the NPU runtime and converted graphs are, "
+                             "else torch where it fits in memory, else onnx (it prints what it chose and why)")
     add_pipeline_arguments(parser)
     parser.add_argument("--spectrum", action="store_true", help="forecast about half the steps (sd.cpp's Spectrum)")
     for name, kind in SPECTRUM_FLAGS.items():
@@ -53,7 +56,10 @@ def run(args) -> int:
         spectrum_params={k: getattr(args, f"spectrum_{k}") for k in SPECTRUM_FLAGS if getattr(args, f"spectrum_{k}") is not None},
     )
     request.validate()  # fail on bad numbers before spending seconds on loading the model
-    pipeline = Pipeline.load(args.models, backend=args.backend, **pipeline_options(args))
+    backend, why = resolve_backend(args.backend, args.models, request.width, request.height)
+    if why:
+        print(why, file=sys.stderr, flush=True)
+    pipeline = Pipeline.load(args.models, backend=backend, **pipeline_options(args))
 
     for event in pipeline.generate(request):
         if isinstance(event, PhaseEvent):

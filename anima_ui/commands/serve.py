@@ -5,13 +5,16 @@ from pathlib import Path
 
 from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
 from anima_ui.pipeline import BACKENDS
+from anima_ui.runtime.auto import resolve as resolve_backend
 
 
 def add_arguments(parser):
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every interface, so phones on the LAN reach it)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--models", default="models", help="model folder in the official layout (models/README.md)")
-    parser.add_argument("--backend", default="torch", choices=BACKENDS, help="how the DiT branches run")
+    parser.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
+                        help="how the DiT branches run; auto (default): rknn where the NPU runtime and converted graphs are, "
+                             "else torch where it fits in memory, else onnx (it prints what it chose and why)")
     parser.add_argument("--outputs", default="outputs", help="where finished PNGs and their JSON sidecars go")
     parser.add_argument("--presets", default="presets", help="folder of preset JSON files")
     parser.add_argument("--password", default=None, help="require this password (default: $ANIMA_UI_PASSWORD, else none)")
@@ -27,9 +30,12 @@ def run(args) -> int:
     if args.demo:
         models = setup.demo_model_dir()
         print(f"demo mode: random-weight tiny model in {models}")
+    backend, why = resolve_backend(args.backend, models)
+    if why:
+        print(why)
     config = AppConfig(
         models_dir=models,
-        backend=args.backend,
+        backend=backend,
         outputs_dir=Path(args.outputs),
         presets_dir=Path(args.presets),
         host=args.host,
