@@ -8,6 +8,7 @@ import numpy as np
 
 from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
 from anima_ui.errors import UserError
+from anima_ui.modelfiles import ModelPaths
 from anima_ui.pipeline import BACKENDS, GenerationRequest, Pipeline, PhaseEvent, ResultEvent, StepEvent
 from anima_ui.runtime.auto import resolve as resolve_backend
 
@@ -56,6 +57,7 @@ def run(args) -> int:
         spectrum_params={k: getattr(args, f"spectrum_{k}") for k in SPECTRUM_FLAGS if getattr(args, f"spectrum_{k}") is not None},
     )
     request.validate()  # fail on bad numbers before spending seconds on loading the model
+    ModelPaths.find(args.models)  # a broken model folder is the one error line, before any choice is printed
     backend, why = resolve_backend(args.backend, args.models, request.width, request.height)
     if why:
         print(why, file=sys.stderr, flush=True)
