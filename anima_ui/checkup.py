@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 
 from anima_ui import modelfiles
 from anima_ui.errors import UserError
 from anima_ui.runtime import board
+from anima_ui.runtime.backends import RknnLiteBackend
 from anima_ui.runtime.manifest import MANIFEST, Manifest, sha256_file
 from anima_ui.runtime.memory import read_meminfo
 
@@ -62,7 +64,11 @@ def collect(models_dir, width: int | None = None, height: int | None = None, qui
         rows.append(Row("NPU run", "skip", "left out (--quick)"))
     else:
         rows += _hash_rows(models, progress)
-        rows.append(_npu_run_row(models, graphs, width, height, core_mask, lite2, npu, library))
+        run, versions = _npu_run(models, graphs, width, height, core_mask, lite2, npu, library)
+        rows.append(run)
+        if versions.get("driver") and not npu.driver_version:  # debugfs is root's; the runtime tells everyone
+            rows = [Row(r.check, r.status, f"{npu.driver} {versions['driver']} (as the runtime reports it)") if r.check == "NPU driver" else r
+                    for r in rows]
     return Report(rows, npu.present, arch or platform.machine())
 
 
@@ -293,19 +299,19 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300))
 
 
-def _npu_run_row(models: Path, graphs: list[Path], width, height, core_mask: str, lite2: board.Lite2, npu: board.NpuDevice,
-                 library: board.Librknnrt) -> Row:
+def _npu_run(models: Path, graphs: list[Path], width, height, core_mask: str, lite2: board.Lite2, npu: board.NpuDevice,
+             library: board.Librknnrt) -> tuple[Row, dict]:
+    """The NPU run's row, and the runtime's and driver's versions it reported."""
     if lite2.import_error is not None:
-        return Row("NPU run", "skip", "needs rknn-toolkit-lite2")
+        return Row("NPU run", "skip", "needs rknn-toolkit-lite2"), {}
     if not graphs:
-        return Row("NPU run", "skip", "no converted graphs to run")
+        return Row("NPU run", "skip", "no converted graphs to run"), {}
     folder = graphs[0]
     if width and height:
         folder = models / "rknn" / f"{width}x{height}"
         if folder not in graphs:
-            return Row("NPU run", "fail", f"no converted graphs in {folder}", f"choose a converted size ({', '.join(g.name for g in graphs)}) or convert this one")
-    from anima_ui.runtime.backends import RknnLiteBackend
-
+            return Row("NPU run", "fail", f"no converted graphs in {folder}",
+                       f"choose a converted size with --width/--height ({', '.join(g.name for g in graphs)}), or convert this one"), {}
     manifest = Manifest.read(folder)
     entry = min(manifest.graphs, key=lambda g: (folder / g.file).stat().st_size)  # the quickest to load
     inputs = check_inputs(entry)
@@ -317,7 +323,7 @@ def _npu_run_row(models: Path, graphs: list[Path], width, height, core_mask: str
         finally:
             backend.release(context, entry)
     except UserError as exc:
-        return Row("NPU run", "fail", f"{folder.name}/{entry.file}", str(exc))
+        return Row("NPU run", "fail", f"{folder.name}/{entry.file}", str(exc)), {}
     versions = board.parse_sdk_version(backend.sdk_version)
     ran = (f"{folder.name}/{entry.file} ran (runtime {versions.get('api', '?')}, driver {versions.get('driver', '?')}, "
            f"core mask {core_mask})")
@@ -325,11 +331,10 @@ def _npu_run_row(models: Path, graphs: list[Path], width, height, core_mask: str
     twin = models / "exported" / folder.name / twin_file
     if not twin.is_file():
         return Row("NPU run", "warn", f"{ran}; no ONNX twin {twin} to compare with",
-                   f"copy models/exported/{folder.name} from the PC (the fp32 graphs `anima-ui export` wrote)")
+                   f"copy models/exported/{folder.name} from the PC (the fp32 graphs `anima-ui export` wrote)"), versions
     if entry.extra.get("onnx_sha256") and sha256_file(twin) != entry.extra["onnx_sha256"]:
-        return Row("NPU run", "warn", f"{ran}; {twin} is not the ONNX graph it was converted from", "copy the matching exported folder from the PC")
-    import onnxruntime  # the reference runs on the CPU
-
+        return Row("NPU run", "warn", f"{ran}; {twin} is not the ONNX graph it was converted from",
+                   "copy the matching exported folder from the PC"), versions
     session = onnxruntime.InferenceSession(str(twin), providers=["CPUExecutionProvider"])
     feeds = {spec.name: array.astype(spec_dtype(session, spec.name)) for spec, array in zip(entry.inputs, inputs)}
     expected = session.run(None, feeds)[0]
@@ -337,9 +342,9 @@ def _npu_run_row(models: Path, graphs: list[Path], width, height, core_mask: str
     nonfinite = int((~np.isfinite(out)).sum())
     result = f"{ran}; cosine {value:.7f} against {twin.name} on onnxruntime" + (f", {nonfinite} NaN/Inf" if nonfinite else "")
     if value >= MIN_COSINE and not nonfinite:
-        return Row("NPU run", "ok", result)
+        return Row("NPU run", "ok", result), versions
     return Row("NPU run", "fail", result + f" (the gate is {MIN_COSINE})",
-               "the NPU computes this graph wrongly: report the runtime, driver and toolkit versions above; try another librknnrt.so")
+               "the NPU computes this graph wrongly: report the runtime, driver and toolkit versions above; try another librknnrt.so"), versions
 
 
 def spec_dtype(session, name: str):

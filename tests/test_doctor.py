@@ -159,6 +159,7 @@ def test_ready_board(rknnlite_standin, tiny_board_models, fake_board):
     assert line.startswith("ready: the NPU ran a converted graph and matched its ONNX twin")
     assert rows["machine"].value.startswith("aarch64, rockchip,rk3588s")
     assert rows["NPU device"].status == "ok" and "renderD129" in rows["NPU device"].value
+    assert rows["NPU driver"].value == "RKNPU 0.9.8 (as the runtime reports it)"  # no debugfs in the made-up tree
     assert rows["rknn-toolkit-lite2"].value == "2.5.0"
     assert rows["librknnrt.so"].status == "ok" and "2.5.0" in rows["librknnrt.so"].value
     assert rows["converted graphs"].value == "64x64 by rknn-toolkit2 2.5.0; librknnrt.so 2.5.0 >= toolkit: compatible"
@@ -257,3 +258,15 @@ def test_doctor_command_with_the_standin_in_a_process_without_torch(tiny_board_m
     run = next(line for line in result.stdout.splitlines() if line.startswith("NPU run"))
     assert re.match(r"NPU run +ok +64x64/block\d\d_\w+\.rknn ran .*cosine", run), result.stdout
     assert result.returncode == 1 and result.stdout.strip().splitlines()[-1].startswith("no NPU present")
+
+
+def test_the_ready_verdicts_next_command_runs(tiny_board_models):
+    """`anima-ui verify --backend rknn --reference onnx`, which a ready verdict names next, runs through the stand-in
+    on the same folder: every branch of the forward goes through RknnLiteBackend and its output checks."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "rknnlite_standin"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-m", "anima_ui", "verify", "--models", str(tiny_board_models), "--backend", "rknn",
+                             "--reference", "onnx", "--width", "64", "--height", "64"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '"passed": true' in result.stdout.strip().splitlines()[-1]
