@@ -8,6 +8,7 @@ absent (no NPU on this machine) or skip (a later check that an earlier failure o
 import os
 import platform
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -350,3 +351,26 @@ def _npu_run(models: Path, graphs: list[Path], width, height, core_mask: str, li
 def spec_dtype(session, name: str):
     kind = next(i.type for i in session.get_inputs() if i.name == name)
     return np.float16 if kind == "tensor(float16)" else np.float32
+
+
+# -- the app's status panel ------------------------------------------------------------------------------------------
+PANEL_CHECKS = ("NPU driver", "NPU device", "groups", "rknn-toolkit-lite2", "librknnrt.so", "converted graphs", "swap / zram")
+_panel_cache = {}
+
+
+def panel_lines(models_dir, root: Path = Path("/"), environ=os.environ, arch: str | None = None) -> list[str]:
+    """The NPU stack as the status panel shows it (Markdown lines): doctor's quick rows, a fix under each failed one.
+    The stack is probed at most once a minute (reading librknnrt.so for its version is not free); swap every time."""
+    key = (str(models_dir), str(root), arch, int(time.monotonic() // 60))
+    if key not in _panel_cache:
+        _panel_cache.clear()
+        _panel_cache[key] = collect(models_dir, quick=True, root=root, environ=environ, arch=arch)
+    report = _panel_cache[key]
+    if not report.npu_present:
+        return [f"**NPU** none on this {report.arch} machine (`anima-ui doctor` lists what a board needs)"]
+    rows = [r for r in report.rows if r.check in PANEL_CHECKS and r.check != "swap / zram"] + _memory_rows(root)[1:]
+    lines = []
+    for row in rows:
+        mark = {"fail": "❌ ", "warn": "⚠️ "}.get(row.status, "")
+        lines.append(f"{mark}**{row.check}** {row.value}" + (f" — fix: {row.fix}" if row.fix and row.status in ("fail", "warn") else ""))
+    return lines

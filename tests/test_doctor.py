@@ -270,3 +270,17 @@ def test_the_ready_verdicts_next_command_runs(tiny_board_models):
                              "--reference", "onnx", "--width", "64", "--height", "64"], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert '"passed": true' in result.stdout.strip().splitlines()[-1]
+
+
+def test_status_panel_shows_the_same_facts(rknnlite_standin, tiny_board_models, fake_board, monkeypatch, tmp_path):
+    from anima_ui import checkup
+
+    if not board.find_npu().present:
+        assert checkup.panel_lines(tmp_path) == [f"**NPU** none on this {platform.machine()} machine (`anima-ui doctor` lists what a board needs)"]
+    root, environ = fake_board
+    monkeypatch.setattr(board, "find_npu", functools.partial(board.find_npu, access=lambda path, mode: False))
+    lines = checkup.panel_lines(tiny_board_models, root=root, environ=environ, arch="aarch64")
+    assert lines[0] == "**NPU driver** RKNPU (version: reported by the runtime below, or `sudo cat /sys/kernel/debug/rknpu/version`)"
+    assert any(line.startswith("❌ **NPU device**") and board.GROUP_FIX in line for line in lines)
+    assert "**rknn-toolkit-lite2** 2.5.0" in lines and any(line.startswith("**librknnrt.so**") for line in lines)
+    assert lines[-1].startswith("**swap / zram** 3.75 GiB")

@@ -238,7 +238,7 @@ class App:
         yield "\n".join(lines + ["✅ All files are in place; the first generation loads the model."])
 
     def status_panel(self):
-        return system.status_markdown(self.manager, self.config.backend)
+        return system.status_markdown(self.manager, self.config.backend, self.config.models_dir)
 
     def big_screen(self, tick: int):
         """The running job's live preview, else the recent results one after another."""

@@ -6,6 +6,8 @@ from pathlib import Path
 import psutil
 import segno
 
+from anima_ui import checkup
+
 GIB = 1024**3
 
 
@@ -48,7 +50,7 @@ def qr_html(url: str) -> str:
             f'style="width:min(70vw,320px);image-rendering:pixelated"><p><a href="{url}">{url}</a></p></div>')
 
 
-def status_markdown(manager, backend: str) -> str:
+def status_markdown(manager, backend: str, models_dir=None) -> str:
     mem = meminfo()
     proc = process_memory()
     swap_used = mem.get("SwapTotal", 0) - mem.get("SwapFree", 0)
@@ -65,6 +67,8 @@ def status_markdown(manager, backend: str) -> str:
         f"**This process** RSS {proc['rss'] / GIB:.2f} GiB · PSS {proc['pss'] / GIB:.2f} GiB",
         f"**Jobs in line** {len(manager.line())}",
     ]
+    if models_dir is not None:
+        lines += checkup.panel_lines(models_dir)  # the NPU stack, as `anima-ui doctor --quick` sees it
     gate = gate_warning(runtime)
     if gate:
         lines.append(f"⚠️ **Memory gate:** {gate}")
