@@ -18,7 +18,8 @@ from pathlib import Path
 
 from anima_ui.errors import Cancelled, UserError
 from anima_ui.history import History, HistoryItem
-from anima_ui.pipeline import GenerationRequest, PhaseEvent, ResultEvent, StepEvent
+from anima_ui.pipeline import PhaseEvent, ResultEvent, StepEvent
+from anima_ui.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,6 @@ class JobManager:
 
     # -- called from Gradio events (any thread) ----------------------------------------------------------------------
     def submit(self, request: GenerationRequest, preview_method: str = "projection") -> Job:
-        request.validate()
         job = Job(id=uuid.uuid4().hex[:12], request=request, preview_method=preview_method)
         with self._changed:
             self._jobs[job.id] = job

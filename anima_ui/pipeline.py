@@ -9,55 +9,16 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from anima_ui.errors import Cancelled, UserError
+from anima_ui.request import GenerationRequest
 
 BACKENDS = ("torch", "onnx", "sim", "rknn")
-MIN_SIDE, MAX_SIDE = 64, 2048
-MAX_STEPS = 200
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt: str
-    negative: str = ""
-    seed: int = 0
-    steps: int = 20
-    cfg: float = 4.0
-    width: int = 512
-    height: int = 512
-    spectrum: bool = False
-    spectrum_params: dict = field(default_factory=dict)
-    decode: bool = True
-
-    def validate(self) -> None:
-        if not isinstance(self.prompt, str) or not isinstance(self.negative, str):
-            raise UserError("the prompt and the negative prompt must be text")
-        if not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_STEPS:
-            raise UserError(f"steps must be a whole number from 1 to {MAX_STEPS}, got {self.steps!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise UserError(f"seed must be a whole number from 0 to 2^63-1, got {self.seed!r}")
-        if not np.isfinite(self.cfg) or not 0.0 <= self.cfg <= 30.0:
-            raise UserError(f"CFG must be between 0 and 30, got {self.cfg!r}")
-        for name, side in (("width", self.width), ("height", self.height)):
-            if not isinstance(side, int) or side % 16 or not MIN_SIDE <= side <= MAX_SIDE:
-                raise UserError(
-                    f"{name} must be a multiple of 16 from {MIN_SIDE} to {MAX_SIDE} pixels, got {side!r}"
-                )
-        if self.spectrum:
-            from anima_ui.sampling.spectrum import plan
-
-            plan(self.steps, **self.spectrum_params)  # raises UserError naming a bad parameter
-
-    @property
-    def uses_uncond(self) -> bool:
-        """At CFG 1 the uncond pass cannot change x0 (ComfyUI skips it too)."""
-        return self.cfg != 1.0
 
 
 @dataclass
@@ -123,7 +84,6 @@ class Pipeline:
 
     # -- one generation ---------------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
-        request.validate()
         cancel = cancel or threading.Event()
         started = time.perf_counter()
         seconds = {}

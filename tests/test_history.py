@@ -6,7 +6,7 @@ from PIL import Image
 
 from anima_ui.errors import UserError
 from anima_ui.history import History, settings_from_png
-from anima_ui.pipeline import GenerationRequest
+from anima_ui.request import GenerationRequest
 
 SUMMARY = {"backend": "torch", "model": "tiny", "model_evals": 3, "seconds": {"denoise": 1.5, "total": 2.0},
            "per_step": [{"step": 1, "seconds": np.float32(0.5)}]}  # NumPy scalars must not break the sidecar

@@ -8,7 +8,7 @@ from anima_ui.infotext import (
     parse_infotext,
     settings_from_infotext,
 )
-from anima_ui.pipeline import GenerationRequest
+from anima_ui.request import GenerationRequest
 
 # Verbatim A1111 v1.10 output (modules/processing.py create_infotext), from gradio_ui.md §3.3.
 A1111_TEXT = (

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from anima_ui.commands.random_model import write_random_model
 from anima_ui.history import History
 from anima_ui.jobs import FINISHED, JobManager
-from anima_ui.pipeline import GenerationRequest, Pipeline
+from anima_ui.pipeline import Pipeline
+from anima_ui.request import GenerationRequest
 
 
 def make_tiny_model(folder):

@@ -6,6 +6,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from anima_ui.errors import UserError
+from anima_ui.limits import MAX_SEED, MAX_STEPS
 from anima_ui.sampling.cfg import cfg_combine
 from anima_ui.sampling.euler import StepInfo, euler_steps, sample_euler
 from anima_ui.sampling.noise import initial_noise
@@ -66,7 +67,7 @@ def test_simple_equals_diffusers_given_comfy_grid_and_differs_only_by_grid_round
 
 
 def test_simple_sigmas_rejects_bad_steps():
-    for bad in (0, -3, 2.5, "20", True, 1001):
+    for bad in (0, -3, 2.5, "20", True, MAX_STEPS + 1, 1001):
         with pytest.raises(UserError, match="steps"):
             simple_sigmas(bad)
 
@@ -77,10 +78,11 @@ def test_initial_noise_is_torch_randn_of_the_video_shape_squeezed():
     assert noise.shape == (1, 16, 8, 12) and noise.dtype == np.float32
     np.testing.assert_array_equal(noise, expected)
     assert not np.array_equal(noise, initial_noise(1235, 64, 96))
-    np.testing.assert_array_equal(initial_noise(2**64 - 1, 8, 8), initial_noise(2**64 - 1, 8, 8))
+    assert MAX_SEED == 2**64 - 1  # the whole range torch's generator takes
+    np.testing.assert_array_equal(initial_noise(MAX_SEED, 8, 8), initial_noise(MAX_SEED, 8, 8))
 
 
-@pytest.mark.parametrize("seed, height, width, word", [(-1, 64, 64, "seed"), (2**64, 64, 64, "seed"),
+@pytest.mark.parametrize("seed, height, width, word", [(-1, 64, 64, "seed"), (MAX_SEED + 1, 64, 64, "seed"),
                                                        (0, 60, 64, "height"), (0, 64, 0, "width")])
 def test_initial_noise_rejects_bad_input(seed, height, width, word):
     with pytest.raises(UserError, match=word):

@@ -149,7 +149,8 @@ def analytic_rows(steps_list, seeds: int, cfg: float, problem_seed: int) -> list
 
 
 def tiny_model_rows(models_dir: Path, steps: int, seeds: int, cfg: float) -> list[dict]:
-    from anima_ui.pipeline import GenerationRequest, Pipeline
+    from anima_ui.pipeline import Pipeline
+    from anima_ui.request import GenerationRequest
 
     pipeline = Pipeline.load(models_dir, backend="torch")
     evals = len(plan(steps)[0])

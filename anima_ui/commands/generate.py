@@ -9,7 +9,8 @@ import numpy as np
 from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
 from anima_ui.errors import UserError
 from anima_ui.modelfiles import ModelPaths
-from anima_ui.pipeline import BACKENDS, GenerationRequest, Pipeline, PhaseEvent, ResultEvent, StepEvent
+from anima_ui.pipeline import BACKENDS, Pipeline, PhaseEvent, ResultEvent, StepEvent
+from anima_ui.request import GenerationRequest
 from anima_ui.runtime.auto import resolve as resolve_backend
 
 SPECTRUM_FLAGS = {
@@ -45,7 +46,7 @@ def run(args) -> int:
         raise UserError(f"--out must end in .png, got {args.out!r}")
     if not out.parent.is_dir():
         raise UserError(f"the output folder {out.parent} does not exist")
-    request = GenerationRequest(
+    request = GenerationRequest(  # checked here, before seconds are spent on loading the model
         prompt=_prompt(args),
         negative=args.negative,
         seed=args.seed,
@@ -56,7 +57,6 @@ def run(args) -> int:
         spectrum=args.spectrum,
         spectrum_params={k: getattr(args, f"spectrum_{k}") for k in SPECTRUM_FLAGS if getattr(args, f"spectrum_{k}") is not None},
     )
-    request.validate()  # fail on bad numbers before spending seconds on loading the model
     ModelPaths.find(args.models)  # a broken model folder is the one error line, before any choice is printed
     backend, why = resolve_backend(args.backend, args.models, request.width, request.height)
     if why:

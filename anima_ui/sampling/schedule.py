@@ -8,9 +8,9 @@ from its top end.
 import numpy as np
 
 from anima_ui.errors import UserError
+from anima_ui.limits import check_steps
 
-TABLE_SIZE = 1000
-MAX_STEPS = 1000  # beyond this "simple" would only repeat table entries
+TABLE_SIZE = 1000  # more steps than table entries would only repeat entries: limits.MAX_STEPS stays below it
 
 
 def shifted_sigma_table(shift: float = 3.0) -> np.ndarray:
@@ -24,8 +24,7 @@ def shifted_sigma_table(shift: float = 3.0) -> np.ndarray:
 
 def simple_sigmas(steps: int, shift: float = 3.0) -> np.ndarray:
     """`steps` sigmas from 1 down, then a trailing 0: σ_k = table[999 − int(k·1000/steps)] (float32, steps + 1 values)."""
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= MAX_STEPS:
-        raise UserError(f"steps must be a whole number from 1 to {MAX_STEPS}, got {steps!r}")
+    check_steps(steps)
     if not np.isfinite(shift) or shift <= 0:
         raise UserError(f"the schedule shift must be a positive number, got {shift!r}")
     table = shifted_sigma_table(shift)

@@ -22,13 +22,13 @@ import math
 import numpy as np
 
 from anima_ui.errors import UserError
+from anima_ui.limits import MAX_STEPS
 
 DEFAULTS = {"w": 0.40, "m": 3, "lam": 1.0, "window": 2, "flex": 0.5, "warmup": 4, "stop": 0.9}
 VARIANTS = ("sdcpp", "velocity")
 MIN_HISTORY = 6  # sd.cpp keeps K = max(m + 1, 6) computed x0's
 TAU_CALLS = 50  # sd.cpp maps call indices 0..50 onto τ ∈ [−1, 1] whatever the step count
 MAX_DEGREE = 10
-MAX_STEPS = 10_000
 
 F32 = np.float32
 
