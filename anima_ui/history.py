@@ -63,9 +63,7 @@ class History:
         png_path = self.outputs_dir / f"{name}.png"
         record = {"name": name, "created": created, "settings": settings, "summary": summary, "infotext": infotext}
 
-        png_info = PngInfo()
-        png_info.add_text("parameters", infotext)
-        write_atomically(png_path, lambda f: image.save(f, format="PNG", pnginfo=png_info))
+        save_png(image, png_path, infotext)
         write_atomically(self.outputs_dir / f"{name}.json",
                          lambda f: f.write(json.dumps(record, indent=1, ensure_ascii=False, default=_plain).encode()))
         return HistoryItem(name, png_path, record)
@@ -116,6 +114,13 @@ def write_atomically(path: Path, write) -> None:
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
+
+
+def save_png(image: Image.Image, path: Path, infotext: str) -> None:
+    """The image as a PNG whose A1111 `parameters` chunk holds `infotext`, written atomically."""
+    png_info = PngInfo()
+    png_info.add_text("parameters", infotext)
+    write_atomically(path, lambda f: image.save(f, format="PNG", pnginfo=png_info))
 
 
 def settings_from_png(path) -> dict:

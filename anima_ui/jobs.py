@@ -20,6 +20,7 @@ from anima_ui.errors import Cancelled, UserError
 from anima_ui.history import History, HistoryItem
 from anima_ui.pipeline import PhaseEvent, ResultEvent, StepEvent
 from anima_ui.request import GenerationRequest
+from anima_ui.vae.preview import preview_image
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +35,16 @@ class Job:
     request: GenerationRequest
     preview_method: str = "projection"
     state: str = "queued"  # queued | running | done | cancelled | error
-    phase: str | None = None  # text | denoise | decode while running
-    step: int = 0
+    phase: str | None = None  # export | text | denoise | decode while running
+    step: int = 0  # steps done (the last StepEvent's step)
     computed: bool | None = None  # whether the last step was computed (False: forecast by Spectrum)
+    denoise_seconds: float = 0.0  # the steps' seconds, summed: the ETA's measure
     preview_path: Path | None = None
     item: HistoryItem | None = None
     error: str | None = None
     submitted: float = field(default_factory=time.time)
     started: float | None = None
     finished: float | None = None
-    step_seconds: list = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -72,10 +73,6 @@ class JobManager:
         self._queue: queue.Queue = queue.Queue()
         self._changed = threading.Condition()
         self.version = 0  # bumped on every change any watcher may care about
-        # Instrumentation: the worker records every run so tests can prove no two generations overlapped.
-        self.active = 0
-        self.max_active = 0
-        self.run_log: list[tuple[str, float, float]] = []
         self._worker = threading.Thread(target=self._work, name="anima-npu-worker", daemon=True)
         self._worker.start()
 
@@ -145,23 +142,23 @@ class JobManager:
             return None
         overhead = self._overhead_seconds(job)
         if job.state == "running":
-            overhead = overhead if job.phase in (None, "text", "denoise") else overhead / 2
+            overhead = overhead if job.phase in (None, "export", "text", "denoise") else overhead / 2
             return (job.total - job.step) * per_step + overhead
         return job.total * per_step + overhead
 
     def _seconds_per_step(self, job: Job) -> float | None:
         """The job's own steps once it has some, else recent jobs of the same cost. A mean, not a median: with
         Spectrum, forecast steps cost almost nothing and the mean carries their share."""
-        if job.step_seconds:
-            return statistics.mean(job.step_seconds)
-        similar = [j for j in self._recent_finished() if _same_cost(j.request, job.request) and j.step_seconds]
+        if job.step:
+            return job.denoise_seconds / job.step
+        similar = [j for j in self._recent_finished() if _same_cost(j.request, job.request) and j.step]
         if not similar:
             return None
-        return statistics.mean(s for j in similar for s in j.step_seconds)
+        return sum(j.denoise_seconds for j in similar) / sum(j.step for j in similar)
 
     def _overhead_seconds(self, job: Job) -> float:
         """Text encoding and decode, measured on recent jobs of the same size."""
-        overheads = [j.elapsed - sum(j.step_seconds) for j in self._recent_finished()
+        overheads = [j.elapsed - j.denoise_seconds for j in self._recent_finished()
                      if j.state == "done" and _same_cost(j.request, job.request)]
         return statistics.median(overheads) if overheads else 0.0
 
@@ -202,9 +199,6 @@ class JobManager:
             job.error = self.load_error
             self._finish(job, "error")
             return
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-        started = time.perf_counter()
         try:
             for event in self.pipeline.generate(job.request, job.cancel):
                 self._handle(job, event)
@@ -216,9 +210,6 @@ class JobManager:
         except Exception as exc:  # noqa: BLE001 -- the worker must outlive a bug in one job; the job shows it
             log.exception("job %s failed", job.id)
             job.error, state = f"internal error: {type(exc).__name__}: {exc}", "error"
-        finally:
-            self.active -= 1
-            self.run_log.append((job.id, started, time.perf_counter()))
         self._finish(job, state)
 
     def _handle(self, job: Job, event) -> None:
@@ -226,8 +217,8 @@ class JobManager:
             job.phase = event.phase
         elif isinstance(event, StepEvent):
             job.preview_path = self._write_preview(job, event)
-            job.step, job.computed = event.step, event.computed
-            job.step_seconds.append(event.seconds)
+            job.step, job.computed = event.step, event.info.computed
+            job.denoise_seconds += event.seconds
         elif isinstance(event, ResultEvent):
             summary = dict(event.summary, model=self.model_name)
             # Saved before the job reads as done, so "done" always has its PNG; a failure above saves nothing.
@@ -236,13 +227,11 @@ class JobManager:
             self._bump()
 
     def _write_preview(self, job: Job, event: StepEvent) -> Path:
-        from anima_ui.vae.preview import preview_image
-
         folder = self.previews_dir / job.id
         folder.mkdir(parents=True, exist_ok=True)
         # One file per step: a browser still fetching step n never reads a file being rewritten for step n+1.
         path = folder / f"{event.step:04d}.jpg"
-        image = preview_image(event.x0, self.preview_size, **self._preview_options(job))
+        image = preview_image(event.info.x0, self.preview_size, **self._preview_options(job))
         image.convert("RGB").save(path, format="JPEG", quality=80)
         return path
 

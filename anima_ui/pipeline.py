@@ -1,8 +1,10 @@
-"""One generation as an iterator of events: text → context → denoise (CFG, optional Spectrum) → decode.
+"""One generation as an iterator of events: (export) → text → context → denoise (CFG, optional Spectrum) → decode.
 
 The pipeline knows nothing of Gradio. The job engine (`anima_ui/jobs.py`) and `anima-ui generate` both consume
 `Pipeline.generate`, which yields a `PhaseEvent` when a phase starts, a `StepEvent` after every sampler step (computed
-or forecast, with the step's x0 for previews) and one `ResultEvent` at the end.
+or forecast, with the step's x0 for previews) and one `ResultEvent` at the end. A size whose ONNX graphs are not
+exported yet gets an explicit "export" phase first (minutes at full size); nothing else is done behind the caller's
+back.
 """
 
 from __future__ import annotations
@@ -10,31 +12,50 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from anima_ui.convert.model_graphs import export_model_graphs
 from anima_ui.errors import Cancelled, UserError
+from anima_ui.model.checkpoint import load_dit, split_adapter
+from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
+from anima_ui.modelfiles import ModelPaths
 from anima_ui.request import GenerationRequest
-
-BACKENDS = ("torch", "onnx", "sim", "rknn")
+from anima_ui.runtime import BACKENDS, open_runtime
+from anima_ui.runtime.graphs import graphs_dir, graphs_ready
+from anima_ui.runtime.host_weights import load_host_weights
+from anima_ui.runtime.torch_runtime import TorchRuntime
+from anima_ui.sampling.cfg import cfg_combine
+from anima_ui.sampling.euler import StepInfo, euler_steps
+from anima_ui.sampling.noise import initial_noise
+from anima_ui.sampling.schedule import simple_sigmas
+from anima_ui.sampling.spectrum import Spectrum
+from anima_ui.text.encoder import TextEncoder
+from anima_ui.vae.decode import DECODERS, decode_latent
 
 
 @dataclass
 class PhaseEvent:
-    phase: str  # "text" | "denoise" | "decode"
+    phase: str  # "export" | "text" | "denoise" | "decode"
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepEvent:
-    step: int  # 1-based
-    total: int
-    computed: bool  # False: Spectrum forecast this step's x0 without a model evaluation
-    sigma: float
-    x0: np.ndarray  # [1, 16, h, w], model space
-    seconds: float
-    timings: dict
+    """One sampler step: the sampler's own record, and what the step cost."""
+
+    info: StepInfo  # index0, total, sigma, x, x0 (model space, for previews), computed (False: Spectrum forecast)
+    seconds: float  # wall time of the step
+    timings: dict  # the runtime's counters over a computed step (npu/host/lifecycle seconds); {} when it has none
+
+    @property
+    def step(self) -> int:
+        """1-based."""
+        return self.info.index0 + 1
+
+    def record(self) -> dict:
+        """The step as JSON-able numbers (the ResultEvent summary's `per_step`)."""
+        return {"step": self.step, "computed": self.info.computed, "seconds": round(self.seconds, 3), **self.timings}
 
 
 @dataclass
@@ -59,22 +80,14 @@ class Pipeline:
         self.runtime_options = runtime_options
         self.decoder = decoder
         self.runtime = None  # the branch runtime of the running generation (the UI's status panel reads it)
-        self._torch_branches = None
 
     @classmethod
     def load(cls, models_dir, backend: str = "torch", decoder: str = "sdcpp", **runtime_options) -> "Pipeline":
         """decoder: "sdcpp" (stable-diffusion.cpp's tiled VAE, falling back to torch with a warning) or "torch"."""
-        from anima_ui.vae.decode import DECODERS
-
         if backend not in BACKENDS:
             raise UserError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
         if decoder not in DECODERS:
             raise UserError(f"unknown VAE decoder {decoder!r}: choose one of {', '.join(DECODERS)}")
-        from anima_ui.model.checkpoint import load_dit, split_adapter
-        from anima_ui.modelfiles import ModelPaths
-        from anima_ui.runtime.host_weights import load_host_weights
-        from anima_ui.text.encoder import TextEncoder
-
         paths = ModelPaths.find(models_dir)
         # Graph backends hold the branch weights in their graphs: the host keeps only its own tensors
         # (1.2 GB instead of 8.4 GB in fp32 at full size), which is what fits next to the NPU on an 8 GB board.
@@ -88,18 +101,27 @@ class Pipeline:
         started = time.perf_counter()
         seconds = {}
 
+        graphs = graphs_dir(self.paths, self.backend, request.width, request.height)
+        if graphs is not None and not graphs_ready(graphs):
+            yield PhaseEvent("export")
+            t0 = time.perf_counter()
+            export_model_graphs(self.paths, request.width, request.height, graphs)
+            seconds["export"] = time.perf_counter() - t0
+            _check(cancel)
+
         yield PhaseEvent("text")
         t0 = time.perf_counter()
         contexts = [self.text_encoder.encode(request.prompt)]
         if request.uses_uncond:
             contexts.append(self.text_encoder.encode(request.negative))
-        kv, rope = self._prepare_conditioning(contexts, request)
+        kv = prepare_kv(self.weights, np.concatenate(contexts, axis=0))
+        rope = prepare_rope(self.config, request.height // 8, request.width // 8)
         seconds["text"] = time.perf_counter() - t0
         _check(cancel)
 
         yield PhaseEvent("denoise")
         t0 = time.perf_counter()
-        latent, steps, model_evals = yield from self._denoise(request, kv, rope, cancel)
+        latent, steps = yield from self._denoise(request, kv, rope, graphs, cancel)
         seconds["denoise"] = time.perf_counter() - t0
 
         image, decoder, warning = None, None, None
@@ -107,11 +129,11 @@ class Pipeline:
             _check(cancel)
             yield PhaseEvent("decode")
             t0 = time.perf_counter()
-            image, decoder, warning = self._decode(latent)
+            image, decoder, warning = decode_latent(latent, self.paths.vae, prefer=self.decoder)
             seconds["decode"] = time.perf_counter() - t0
         seconds["total"] = time.perf_counter() - started
 
-        passes_per_eval = len(contexts)
+        model_evals = sum(step["computed"] for step in steps)
         summary = {
             "width": request.width,
             "height": request.height,
@@ -121,7 +143,7 @@ class Pipeline:
             "spectrum": request.spectrum,
             "backend": self.backend,
             "model_evals": model_evals,
-            "transformer_passes": passes_per_eval * model_evals,
+            "transformer_passes": len(contexts) * model_evals,
             "decoder": decoder,
             "warning": warning,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
@@ -129,111 +151,42 @@ class Pipeline:
         }
         yield ResultEvent(image=image, latent=latent, summary=summary)
 
-    def _prepare_conditioning(self, contexts, request):
-        from anima_ui.model.forward import prepare_kv, prepare_rope
+    def open_runtime(self, graphs, cancel: threading.Event):
+        """The branch runtime of one generation: run_branch for dit_forward, closed when the generation ends."""
+        if self.backend == "torch":
+            return TorchRuntime(self.weights, self.config, cancel)
+        return open_runtime(self.backend, graphs, cancel=cancel, **self.runtime_options)
 
-        context = np.concatenate(contexts, axis=0)
-        kv = prepare_kv(self.weights, context)
-        rope = prepare_rope(self.config, request.height // 8, request.width // 8)
-        return kv, rope
-
-    def _denoise(self, request, kv, rope, cancel):
-        """Generator: yields StepEvents, returns (final latent, per-step records, model evaluations)."""
-        from anima_ui.model.forward import dit_forward
-        from anima_ui.sampling.cfg import cfg_combine
-        from anima_ui.sampling.euler import euler_steps
-        from anima_ui.sampling.noise import initial_noise
-        from anima_ui.sampling.schedule import simple_sigmas
-        from anima_ui.sampling.spectrum import Spectrum
-
+    def _denoise(self, request, kv, rope, graphs, cancel):
+        """Generator: yields StepEvents, returns (final latent, the steps' records)."""
         batch = 2 if request.uses_uncond else 1
         sigmas = simple_sigmas(request.steps)
         x = initial_noise(request.seed, request.height, request.width)
         spectrum = Spectrum(request.steps, **request.spectrum_params) if request.spectrum else None
-        run_branch = self._open_runtime(request, cancel)
+        runtime = self.runtime = self.open_runtime(graphs, cancel)
 
         def predict_x0(x_t, sigma):
             xs = np.repeat(x_t, batch, axis=0)
-            velocity = dit_forward(self.weights, run_branch, xs, np.full(batch, sigma, np.float32), kv, rope)
+            velocity = dit_forward(self.weights, runtime, xs, np.full(batch, sigma, np.float32), kv, rope)
             x0 = xs - sigma * velocity
             return cfg_combine(x0[:1], x0[1:], request.cfg) if batch == 2 else x0
 
-        records, model_evals = [], 0
+        records = []
         try:
-            t_step = time.perf_counter()
-            before = _runtime_timings(self.runtime)
+            t_step, before = time.perf_counter(), runtime.timings
             for info in euler_steps(predict_x0, x, sigmas, spectrum):
                 _check(cancel)
-                step_seconds = time.perf_counter() - t_step
-                after = _runtime_timings(self.runtime)
-                timings = _step_timings(before, after) if info.computed else {}
-                model_evals += int(info.computed)
-                record = {"step": info.index0 + 1, "computed": info.computed, "seconds": round(step_seconds, 3), **timings}
-                records.append(record)
-                yield StepEvent(
-                    step=info.index0 + 1,
-                    total=request.steps,
-                    computed=info.computed,
-                    sigma=float(info.sigma),
-                    x0=info.x0,
-                    seconds=step_seconds,
-                    timings=timings,
-                )
+                after = runtime.timings
+                step = StepEvent(info, time.perf_counter() - t_step, _step_timings(before, after) if info.computed else {})
+                records.append(step.record())
+                yield step
                 x = info.x
                 t_step, before = time.perf_counter(), after
         finally:
-            self._close_runtime()
+            runtime.close()
         if not np.all(np.isfinite(x)):
             raise UserError("the denoised latent contains NaN or Inf; nothing was saved (try another seed or fewer steps)")
-        return x, records, model_evals
-
-    def _open_runtime(self, request, cancel):
-        """The run_branch callable for dit_forward: torch modules directly, or a branch runtime over exported graphs."""
-        if self.backend == "torch":
-            from anima_ui.model.forward import TorchBranches
-
-            if self._torch_branches is None:
-                self._torch_branches = TorchBranches(self.weights, self.config)
-
-            def run_branch(block, kind, inputs):
-                _check(cancel)
-                return self._torch_branches(block, kind, inputs)
-
-            self.runtime = None
-            return run_branch
-        from anima_ui.runtime import open_runtime
-
-        self.runtime = open_runtime(
-            self.backend, self._graphs_dir(request), cancel=cancel, **self.runtime_options
-        )
-        return self.runtime
-
-    def _graphs_dir(self, request) -> Path:
-        if self.backend == "rknn":
-            graphs = self.paths.rknn_dir(request.width, request.height)
-            if not (graphs / "manifest.json").exists():
-                raise UserError(
-                    f"no RKNN graphs for {request.width}x{request.height} in {graphs}: run `anima-ui export` then "
-                    "`anima-ui convert-rknn` for this size (README, 'On the board')"
-                )
-            return graphs
-        graphs = self.paths.exported_dir(request.width, request.height)
-        if not (graphs / "manifest.json").exists():
-            from anima_ui.convert.export import export_graphs
-            from anima_ui.model.checkpoint import load_dit
-
-            _, full_weights = load_dit(self.paths.dit)  # the branch weights, only for as long as the export takes
-            export_graphs(self.paths, self.config, full_weights, request.width, request.height, graphs)
-        return graphs
-
-    def _close_runtime(self):
-        if self.runtime is not None:
-            self.runtime.close()
-
-    def _decode(self, latent):
-        from anima_ui.vae.decode import decode_latent
-
-        return decode_latent(latent, self.paths.vae, prefer=self.decoder)
+        return x, records
 
 
 def _check(cancel: threading.Event) -> None:
@@ -253,7 +206,3 @@ def _step_timings(before: dict, after: dict) -> dict:
         # a context prefetched late in one step for the next can make the exposed share exceed this step's own
         "lifecycle_hidden_seconds": round(max(0.0, delta["lifecycle"] - delta["lifecycle_exposed"]), 4),
     }
-
-
-def _runtime_timings(runtime) -> dict:
-    return dict(runtime.timings) if runtime is not None else {}

@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny random-weight Anima model in the official key layout."""
+"""Shared fixtures: the tiny random-weight Anima model, as a state dict and as a model folder in the official layout."""
 
 import sys
 from pathlib import Path
@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from anima_ui.commands.random_model import write_random_model
 from anima_ui.model.checkpoint import random_dit_state
 from anima_ui.model.config import AnimaConfig
 
@@ -57,3 +58,20 @@ def rknnlite_standin(monkeypatch):
 def _forget_rknnlite():
     for name in [m for m in sys.modules if m == "rknnlite" or m.startswith("rknnlite.")]:
         del sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny model folder (seed 0), shared by the session: read-only by convention. A test that writes into a model
+    folder (exports, broken files) copies it first (shutil.copytree)."""
+    return write_random_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", 0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run in milliseconds on one thread; with two OpenMP threads on a shared, oversubscribed machine
+    each barrier can stall for seconds. Restores the setting for the next module."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -7,12 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from test_jobs import make_tiny_model, occupy_worker
-from test_ui_app import start_app
+from helpers import GRADIO_PANDAS_NOISE, occupy_worker, start_app
 
-# Gradio 6.31's queue analytics call pandas APIs that pandas 3 deprecates; not ours to fix.
-GRADIO_PANDAS_NOISE = [pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting'"),
-                       pytest.mark.filterwarnings("ignore:The copy keyword is deprecated")]
 pytestmark = [pytest.mark.browser, *GRADIO_PANDAS_NOISE]
 playwright_api = pytest.importorskip("playwright.sync_api")
 
@@ -30,11 +26,6 @@ RECORD_VIEW = """() => {
     if (src && src !== window.viewSources.at(-1)?.src) window.viewSources.push({src, t: performance.now()});
   }).observe(document.body, {subtree: true, childList: true, attributes: true, attributeFilter: ['src']});
 }"""
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -1,19 +1,19 @@
 """`anima-ui generate` end to end on the tiny random model, and its one-line errors for bad input."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from anima_ui.cli import main
-from anima_ui.commands.random_model import write_random_model
 from anima_ui.sampling.spectrum import plan
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_random_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", 0)
+def tiny(tiny_model):
+    return tiny_model
 
 
 def run_cli(argv) -> int:
@@ -88,15 +88,15 @@ def test_bad_input_is_one_line_error(tiny, tmp_path, capsys, flags, names):
 
 
 def test_missing_and_truncated_model_files(tiny, tmp_path, capsys):
-    broken = write_random_model(tmp_path / "broken", "tiny", 0)
+    broken = shutil.copytree(tiny, tmp_path / "broken")
     vae = broken / "vae" / "qwen_image_vae.safetensors"
     vae.unlink()
     assert generate(broken, tmp_path) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "qwen_image_vae" in err
 
-    dit = next((tiny.parent / "tiny" / "diffusion_models").glob("*.safetensors"))
-    truncated = write_random_model(tmp_path / "truncated", "tiny", 0)
+    dit = next((tiny / "diffusion_models").glob("*.safetensors"))
+    truncated = shutil.copytree(tiny, tmp_path / "truncated")
     target = truncated / "diffusion_models" / dit.name
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
     assert generate(truncated, tmp_path) == 2
@@ -114,3 +114,22 @@ def test_unreadable_prompt_file(tiny, tmp_path, capsys):
     assert main(argv[:3] + ["--prompt-file", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o.png")]) == 2
     assert "missing.txt" in capsys.readouterr().err
 
+
+
+def test_a_size_without_graphs_is_exported_as_its_own_phase(tiny, tmp_path, capsys):
+    models = shutil.copytree(tiny, tmp_path / "models")
+    assert generate(models, tmp_path, "--backend", "onnx", "--steps", "2") == 0
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if line.startswith("[")] == ["[export]", "[text]", "[denoise]", "[decode]"]
+    assert (models / "exported" / "64x96" / "manifest.json").is_file()
+    assert set(json.loads(out.splitlines()[-1])["seconds"]) == {"export", "text", "denoise", "decode", "total"}
+    assert generate(models, tmp_path, "--backend", "sim", "--time-scale", "0.001", "--steps", "2") == 0
+    phases = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert phases == ["[text]", "[denoise]", "[decode]"]  # exported once, then reused
+
+
+def test_rknn_without_converted_graphs_names_the_commands(tiny, tmp_path, capsys):
+    assert generate(tiny, tmp_path, "--backend", "rknn") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "anima-ui export" in err and "anima-ui convert-rknn" in err
+    assert not (tiny / "rknn").exists() and not (tiny / "exported").exists()

@@ -8,20 +8,14 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from anima_ui.commands.random_model import write_random_model
+from anima_ui import request as request_module
+from anima_ui.errors import UserError
 from anima_ui.history import History
-from anima_ui.jobs import FINISHED, JobManager
+from anima_ui.jobs import JobManager
 from anima_ui.pipeline import Pipeline
 from anima_ui.request import GenerationRequest
-
-
-def make_tiny_model(folder):
-    return write_random_model(folder, "tiny", 0)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+from anima_ui.ui import form
+from helpers import RecordingRuntimes, occupy_worker, wait
 
 
 @pytest.fixture(scope="module")
@@ -36,22 +30,6 @@ def manager(pipeline, tmp_path):
     manager.close()
 
 
-def wait(manager, job, timeout=120):
-    version = manager.version
-    while job.state not in FINISHED:
-        version = manager.wait_for_change(version, timeout=timeout)
-    return job
-
-
-def occupy_worker(manager, steps=6):
-    """Submit a job and return once it is running, so the next job queues behind it."""
-    job = manager.submit(GenerationRequest(prompt="blocker", seed=1, steps=steps, width=128, height=128))
-    version = manager.version
-    while job.state == "queued":
-        version = manager.wait_for_change(version, timeout=60)
-    return job
-
-
 def request(seed=1, steps=3, size=64, **kwargs):
     return GenerationRequest(prompt="a red fox", seed=seed, steps=steps, width=size, height=size, **kwargs)
 
@@ -59,7 +37,7 @@ def request(seed=1, steps=3, size=64, **kwargs):
 def test_a_job_streams_previews_and_saves_its_png(manager):
     job = wait(manager, manager.submit(request(seed=11, steps=3)))
     assert job.state == "done", job.error
-    assert len(job.step_seconds) == 3 and job.step == 3
+    assert job.step == 3 and job.denoise_seconds > 0
     previews = sorted(job.preview_path.parent.glob("*.jpg"))
     assert [p.name for p in previews] == ["0001.jpg", "0002.jpg", "0003.jpg"]
     assert Image.open(previews[0]).format == "JPEG"
@@ -69,7 +47,9 @@ def test_a_job_streams_previews_and_saves_its_png(manager):
     assert manager.history.items()[0].name == job.item.name
 
 
-def test_jobs_run_one_at_a_time_in_submission_order(manager):
+def test_jobs_run_one_at_a_time_in_submission_order(manager, pipeline, monkeypatch):
+    runtimes = RecordingRuntimes()  # watches the branch runtimes from outside the job engine
+    monkeypatch.setattr(pipeline, "open_runtime", runtimes.wrap(pipeline.open_runtime))
     jobs = [None] * 4
     barrier = threading.Barrier(4)
 
@@ -86,10 +66,10 @@ def test_jobs_run_one_at_a_time_in_submission_order(manager):
         wait(manager, job)
     assert all(job.state == "done" for job in jobs)
     submitted = sorted(jobs, key=lambda j: manager._order.index(j.id))
-    assert [run[0] for run in manager.run_log] == [j.id for j in submitted]
-    assert manager.max_active == 1
-    for (_, _, end), (_, start, _) in zip(manager.run_log, manager.run_log[1:]):
-        assert end <= start
+    assert sorted(jobs, key=lambda j: j.started) == submitted
+    assert len(runtimes.intervals) == 4  # one branch runtime per job: none lost, none run twice
+    assert runtimes.max_open == 1 and runtimes.max_calls == 1  # never two generations on the backend at once
+    assert all(end <= start for (_, end), (start, _) in zip(runtimes.intervals, runtimes.intervals[1:]))
     assert len(manager.history.items()) == 4
 
 
@@ -156,9 +136,15 @@ def test_missing_model_file_fails_the_job_not_the_worker(tiny_model, tmp_path):
         manager.close()
 
 
-def test_bad_request_is_refused_at_submit(manager):
-    from anima_ui.errors import UserError
+def test_the_spectrum_plan_is_simulated_once_from_form_to_image(manager, monkeypatch):
+    plans = []
+    real_plan = request_module.plan
+    monkeypatch.setattr(request_module, "plan", lambda *a, **k: plans.append(a) or real_plan(*a, **k))
+    job = manager.submit(form.build_request("a fox", "", "9", 4.0, 5, "64x64", True))
+    assert wait(manager, job).state == "done" and plans == [(5,)]
 
+
+def test_a_bad_request_cannot_reach_the_queue(manager):
     with pytest.raises(UserError, match="steps"):
         manager.submit(request(steps=0))
     assert manager.line() == []

@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import socket
 import threading
 import time
 import urllib.error
@@ -13,33 +12,10 @@ import pytest
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from anima_ui.ui.app import App, AppConfig
-from test_jobs import make_tiny_model, occupy_worker
+from helpers import GRADIO_PANDAS_NOISE, RecordingRuntimes, free_port, occupy_worker, start_app, wait_idle
 
-# Gradio 6.31's queue analytics call pandas APIs that pandas 3 deprecates; not ours to fix.
-GRADIO_PANDAS_NOISE = [pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting'"),
-                       pytest.mark.filterwarnings("ignore:The copy keyword is deprecated")]
 pytestmark = GRADIO_PANDAS_NOISE
 PRESETS = Path(__file__).parent.parent / "presets"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_app(models_dir, outputs_dir, presets_dir, **config):
-    port = free_port()
-    app = App(AppConfig(models_dir=models_dir, outputs_dir=outputs_dir, presets_dir=presets_dir, host="127.0.0.1",
-                        port=port, demo=True, preview_size=64, **config))
-    _, url, _ = app.launch(prevent_thread_lock=True, quiet=True)
-    return app, url
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +61,12 @@ def test_generate_streams_previews_then_the_png_with_parameters(client, served):
     assert session["last_seed"] == 4242
 
 
-def test_ten_users_at_once_are_served_in_order_without_overlap(served):
+def test_ten_users_at_once_are_served_in_order_without_overlap(served, monkeypatch):
     app, url = served
-    before = len(app.manager.run_log)
+    wait_idle(app.manager)  # jobs of earlier tests finish before the recorder starts watching
+    pipeline = app.manager.pipeline
+    runtimes = RecordingRuntimes()  # watches the branch runtimes from outside the job engine
+    monkeypatch.setattr(pipeline, "open_runtime", runtimes.wrap(pipeline.open_runtime))
     results, errors = [None] * 10, []
     barrier = threading.Barrier(10)
 
@@ -109,12 +88,11 @@ def test_ten_users_at_once_are_served_in_order_without_overlap(served):
     assert errors == []
     job_ids = [r[0] for r in results]
     assert all("Done" in r[1] for r in results), [r[1] for r in results]
-    runs = app.manager.run_log[before:]
-    assert sorted(run[0] for run in runs) == sorted(job_ids)  # none lost, none run twice
+    assert len(runtimes.intervals) == 10  # one branch runtime per job: none lost, none run twice
     submitted = sorted(job_ids, key=app.manager._order.index)
-    assert [run[0] for run in runs] == submitted  # served in the order they were submitted
-    assert app.manager.max_active == 1
-    assert all(a[2] <= b[1] for a, b in zip(runs, runs[1:]))
+    assert sorted(job_ids, key=lambda i: app.manager.get(i).started) == submitted  # served in submission order
+    assert runtimes.max_open == 1 and runtimes.max_calls == 1  # never two generations on the backend at once
+    assert all(end <= start for (_, end), (start, _) in zip(runtimes.intervals, runtimes.intervals[1:]))
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -3,6 +3,9 @@
 import sys
 from pathlib import Path
 
+from anima_ui.convert.model_graphs import export_model_graphs
+from anima_ui.modelfiles import ModelPaths
+
 
 def add_arguments(parser):
     parser.add_argument("--models", required=True, help="model folder in the official layout")
@@ -15,14 +18,9 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from anima_ui.convert.export import export_graphs
-    from anima_ui.model.checkpoint import load_dit
-    from anima_ui.modelfiles import ModelPaths
-
     paths = ModelPaths.find(args.models)
-    config, weights = load_dit(paths.dit)
     out = Path(args.out) if args.out else paths.exported_dir(args.width, args.height)
     progress = lambda line: print(line, file=sys.stderr, flush=True)
-    manifest = export_graphs(paths, config, weights, args.width, args.height, out, args.dtype, args.batch, progress)
+    manifest = export_model_graphs(paths, args.width, args.height, out, args.dtype, args.batch, progress)
     print(f"{len(manifest.graphs)} graphs ({args.dtype}, batch {args.batch}, {args.width}x{args.height}) in {out}")
     return 0

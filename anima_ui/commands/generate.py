@@ -8,10 +8,14 @@ import numpy as np
 
 from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
 from anima_ui.errors import UserError
+from anima_ui.history import save_png, write_atomically
+from anima_ui.infotext import format_infotext
 from anima_ui.modelfiles import ModelPaths
-from anima_ui.pipeline import BACKENDS, Pipeline, PhaseEvent, ResultEvent, StepEvent
+from anima_ui.pipeline import Pipeline, PhaseEvent, ResultEvent, StepEvent
 from anima_ui.request import GenerationRequest
+from anima_ui.runtime import BACKENDS
 from anima_ui.runtime.auto import resolve as resolve_backend
+from anima_ui.text.prompt_file import read_prompt_file
 
 SPECTRUM_FLAGS = {
     "w": float, "m": int, "lam": float, "window": int, "flex": float, "warmup": int, "stop": float, "variant": str,
@@ -47,7 +51,7 @@ def run(args) -> int:
     if not out.parent.is_dir():
         raise UserError(f"the output folder {out.parent} does not exist")
     request = GenerationRequest(  # checked here, before seconds are spent on loading the model
-        prompt=_prompt(args),
+        prompt=args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file),
         negative=args.negative,
         seed=args.seed,
         steps=args.steps,
@@ -67,43 +71,14 @@ def run(args) -> int:
         if isinstance(event, PhaseEvent):
             print(f"[{event.phase}]", file=sys.stderr, flush=True)
         elif isinstance(event, StepEvent):
-            kind = "computed" if event.computed else "forecast"
-            print(f"step {event.step}/{event.total} {kind} {event.seconds:.2f}s", file=sys.stderr, flush=True)
+            kind = "computed" if event.info.computed else "forecast"
+            print(f"step {event.step}/{event.info.total} {kind} {event.seconds:.2f}s", file=sys.stderr, flush=True)
         elif isinstance(event, ResultEvent):
             result = event
     if result.summary.get("warning"):
         print(f"warning: {result.summary['warning']}", file=sys.stderr)
-    _save_png(result.image, out, request, result.summary)
+    save_png(result.image, out, format_infotext(request, result.summary))
     if args.save_latent:
-        _save_atomically(Path(args.save_latent), lambda f: np.save(f, result.latent.astype(np.float32)))
+        write_atomically(Path(args.save_latent), lambda f: np.save(f, result.latent.astype(np.float32)))
     print(json.dumps(result.summary))
     return 0
-
-
-def _prompt(args) -> str:
-    if args.prompt is not None:
-        return args.prompt
-    from anima_ui.text.prompt_file import read_prompt_file
-
-    return read_prompt_file(args.prompt_file)
-
-
-def _save_png(image, path: Path, request, summary) -> None:
-    from PIL.PngImagePlugin import PngInfo
-
-    from anima_ui.infotext import format_infotext
-
-    info = PngInfo()
-    info.add_text("parameters", format_infotext(request, summary))
-    _save_atomically(path, lambda f: image.save(f, format="PNG", pnginfo=info))
-
-
-def _save_atomically(path: Path, write) -> None:
-    """Write to a temp file beside the target, then rename: an interrupted run leaves no half-written file."""
-    tmp = path.with_name(f".{path.name}.partial")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)

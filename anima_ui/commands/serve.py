@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
-from anima_ui.pipeline import BACKENDS
+from anima_ui.runtime import BACKENDS
 from anima_ui.runtime.auto import resolve as resolve_backend
 
 

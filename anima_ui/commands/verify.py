@@ -13,7 +13,12 @@ import sys
 
 import numpy as np
 
-from anima_ui.errors import UserError
+from anima_ui.convert.model_graphs import export_model_graphs
+from anima_ui.model.checkpoint import load_dit
+from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope, reference_forward
+from anima_ui.modelfiles import ModelPaths
+from anima_ui.runtime import open_runtime
+from anima_ui.runtime.graphs import graphs_dir, graphs_ready
 
 FP32_MIN_COSINE = 0.99999
 FP16_MIN_COSINE = 0.9999
@@ -43,31 +48,21 @@ def compare(split: np.ndarray, reference: np.ndarray) -> dict:
     }
 
 
-def graphs_for(paths, config, weights, backend: str, width: int, height: int):
-    """The graphs folder the backend runs; ONNX graphs are exported on first use, RKNN ones must exist."""
-    if backend == "rknn":
-        folder = paths.rknn_dir(width, height)
-        if not (folder / "manifest.json").is_file():
-            raise UserError(f"no RKNN graphs in {folder}: run `anima-ui export` and `anima-ui convert-rknn` for {width}x{height} first")
-        return folder
-    folder = paths.exported_dir(width, height)
-    if not (folder / "manifest.json").is_file():
-        from anima_ui.convert.export import export_graphs
-
+def graphs_for(paths, backend: str, width: int, height: int):
+    """The graphs folder the backend runs; missing ONNX graphs are exported first (before the reference weights
+    load, so the two never share the memory), missing RKNN ones are an error naming the commands."""
+    folder = graphs_dir(paths, backend, width, height)
+    if not graphs_ready(folder):
         print(f"exporting the ONNX graphs for {width}x{height} into {folder} ...", file=sys.stderr, flush=True)
-        export_graphs(paths, config, weights, width, height, folder)
+        export_model_graphs(paths, width, height, folder)
     return folder
 
 
 def run(args) -> int:
-    from anima_ui.model.checkpoint import load_dit
-    from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope, reference_forward
-    from anima_ui.modelfiles import ModelPaths
-    from anima_ui.runtime import open_runtime
-
     paths = ModelPaths.find(args.models)
+    graphs = graphs_for(paths, args.backend, args.width, args.height)
+    reference_graphs = graphs_for(paths, "onnx", args.width, args.height) if args.reference == "onnx" else None
     config, weights = load_dit(paths.dit)
-    graphs = graphs_for(paths, config, weights, args.backend, args.width, args.height)
 
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((2, config.latent_channels, args.height // 8, args.width // 8)).astype(np.float32)
@@ -86,7 +81,7 @@ def run(args) -> int:
     if args.reference == "torch":
         reference = reference_forward(weights, x, sigma, context, on_block=collector(reference_blocks))
     else:
-        with open_runtime("onnx", graphs_for(paths, config, weights, "onnx", args.width, args.height)) as onnx_runtime:
+        with open_runtime("onnx", reference_graphs) as onnx_runtime:
             reference = dit_forward(weights, onnx_runtime, x, sigma, kv, rope, on_block=collector(reference_blocks))
 
     rows = [(f"block {i}", compare(s, r)) for i, (s, r) in enumerate(zip(split_blocks, reference_blocks))]

@@ -1,5 +1,8 @@
-"""Branch runtime: the DiT's 84 branch graphs run through onnxruntime, a simulated board or RKNN-Lite."""
+"""Branch runtime: the DiT's 84 branch graphs run through onnxruntime, a simulated board or RKNN-Lite; or the torch
+reference modules (`torch_runtime.py`), which need no graphs."""
 
 from anima_ui.runtime.executor import BranchRuntime, open_runtime
 
-__all__ = ["BranchRuntime", "open_runtime"]
+BACKENDS = ("torch", "onnx", "sim", "rknn")
+
+__all__ = ["BACKENDS", "BranchRuntime", "open_runtime"]

@@ -9,7 +9,8 @@ from PIL import Image
 from anima_ui.infotext import format_seconds
 from anima_ui.ui.compare import psnr, ssim
 
-PHASES = {"text": "encoding the prompt", "decode": "decoding the image", None: "starting"}
+PHASES = {"export": "exporting the branch graphs for this size (once; minutes at full size)", "text": "encoding the prompt",
+          "decode": "decoding the image", None: "starting"}
 
 
 def job_status(manager, job, label: str = "") -> str:

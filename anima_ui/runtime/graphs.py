@@ -1,0 +1,27 @@
+"""Where a backend finds its branch graphs in a model folder: `exported/<W>x<H>` (ONNX, run by the onnx and sim
+backends) and `rknn/<W>x<H>` (RKNN, run by the rknn backend). A folder appears whole (its writers rename it into
+place), so it is ready once its manifest.json is there."""
+
+from pathlib import Path
+
+from anima_ui.errors import UserError
+from anima_ui.runtime.manifest import MANIFEST
+
+
+def graphs_ready(folder) -> bool:
+    return Path(folder, MANIFEST).is_file()
+
+
+def graphs_dir(paths, backend: str, width: int, height: int) -> Path | None:
+    """The folder `backend` runs for width x height (None for torch, which runs no graphs). An ONNX folder may still
+    be missing (`graphs_ready` says; `anima_ui.convert.model_graphs.export_model_graphs` makes it); RKNN graphs
+    cannot be made here, so a missing RKNN folder is a UserError naming the commands that make it."""
+    if backend == "torch":
+        return None
+    if backend != "rknn":
+        return paths.exported_dir(width, height)
+    folder = paths.rknn_dir(width, height)
+    if not graphs_ready(folder):
+        raise UserError(f"no RKNN graphs for {width}x{height} in {folder}: run `anima-ui export` and `anima-ui convert-rknn` "
+                        f"for {width}x{height} first (README, 'On the board')")
+    return folder
