@@ -85,26 +85,44 @@ def _require_dir(root: Path, relative: str, files: tuple[str, ...], what: str) -
 def check_safetensors(path: Path) -> None:
     """Raise UserError if `path` is not a complete safetensors file (header length, JSON header and
     the data size the header promises must all agree with the file size)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _broken(path, f"only {size} bytes")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if 8 + header_len > size:
-            raise _broken(path, f"header of {header_len} bytes does not fit in {size} bytes")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise _broken(path, "unreadable header") from None
+    read_safetensors_header(path)
+
+
+def read_safetensors_header(path) -> tuple[dict, int]:
+    """(header, offset of the first tensor byte) of a complete safetensors file; a missing, unreadable, damaged or
+    truncated file is a UserError that names it."""
+    path = Path(path)
     try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise _broken(path, f"only {size} bytes")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if 8 + header_len > size:
+                raise _broken(path, f"header of {header_len} bytes does not fit in {size} bytes")
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}; check the path and its permissions") from None
+    try:
+        header = json.loads(raw)
         data_end = max((int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"), default=0)
-    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+    except (UnicodeDecodeError, ValueError, AttributeError, KeyError, IndexError, TypeError):
         raise _broken(path, "unreadable header") from None
     expected = 8 + header_len + data_end
     if size < expected:
-        raise _broken(path, f"truncated: {size} bytes of {expected}")
+        raise UserError(f"{path} is truncated ({size} bytes of {expected}); download it again as described in {README}")
+    return header, 8 + header_len
 
 
 def _broken(path: Path, problem: str) -> UserError:
     return UserError(f"{path} is not a complete safetensors file ({problem}); download it again as described in {README}")
+
+
+def missing_message(models_dir) -> str | None:
+    """None when the model folder is complete, else the one-line reason ModelPaths.find gives."""
+    try:
+        ModelPaths.find(models_dir)
+    except UserError as exc:
+        return str(exc)
+    return None

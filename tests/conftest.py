@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from anima_ui.commands.random_model import write_random_model
-from anima_ui.model.checkpoint import random_dit_state
+from anima_ui.fixtures.model import write_random_model
+from anima_ui.fixtures.weights import random_dit_state
 from anima_ui.model.config import AnimaConfig
 
 

@@ -1,13 +1,13 @@
 """`anima-ui export`: 3 graphs per block with the manifest the runtime reads, written atomically."""
 
 import json
+import shutil
 import subprocess
 import sys
 
 import onnx
 import pytest
 
-from anima_ui.commands.random_model import write_random_model
 from anima_ui.convert import export as export_module
 from anima_ui.convert.export import export_graphs
 from anima_ui.errors import UserError
@@ -17,8 +17,8 @@ from anima_ui.runtime.manifest import Manifest, sha256_file
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    return write_random_model(tmp_path_factory.mktemp("export") / "tiny", "tiny", 0)
+def tiny_models(tiny_model, tmp_path_factory):
+    return shutil.copytree(tiny_model, tmp_path_factory.mktemp("export") / "tiny")  # the export writes into it
 
 
 def test_export_command_writes_graphs_and_manifest(tiny_models):

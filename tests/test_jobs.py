@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from anima_ui import request as request_module
 from anima_ui.errors import UserError
+from anima_ui.fixtures.weights import write_random_taehv
 from anima_ui.history import History
 from anima_ui.jobs import JobManager
 from anima_ui.pipeline import Pipeline
@@ -151,14 +152,9 @@ def test_a_bad_request_cannot_reach_the_queue(manager):
 
 
 def test_taew2_1_previews_when_the_file_is_present(tiny_model, tmp_path):
-    from anima_ui.vae.taehv import taehv_decoder_shapes
-
     model = tmp_path / "with-taesd"
     shutil.copytree(tiny_model, model)
-    (model / "vae_approx").mkdir()
-    generator = torch.Generator().manual_seed(0)
-    weights = {f"decoder.{k}": torch.randn(shape, generator=generator) * 0.05 for k, shape in taehv_decoder_shapes().items()}
-    save_file(weights, model / "vae_approx" / "taew2_1.safetensors")
+    write_random_taehv(model / "vae_approx" / "taew2_1.safetensors")
     manager = JobManager(lambda: Pipeline.load(model), History(tmp_path / "outputs"), tmp_path / "previews",
                          preview_size=64)
     try:

@@ -10,7 +10,7 @@ import numpy as np
 import psutil
 import pytest
 
-from anima_ui.model.checkpoint import random_dit_state
+from anima_ui.fixtures.weights import random_dit_state
 from anima_ui.model.config import AnimaConfig
 from anima_ui.model.forward import TorchBranches, dit_forward, prepare_kv, prepare_rope
 

@@ -15,7 +15,8 @@ from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_cosmos_transformer_checkpoint_to_diffusers
 
 from anima_ui.model.adapter import llm_adapter_forward, pad_context
-from anima_ui.model.checkpoint import random_dit_state, split_adapter
+from anima_ui.fixtures.weights import random_dit_state
+from anima_ui.model.checkpoint import split_adapter
 from anima_ui.model.config import AnimaConfig
 from anima_ui.model.forward import TorchBranches, reference_forward
 

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from anima_ui.commands.random_model import write_random_model
+from anima_ui.fixtures.model import write_random_model
 from anima_ui.errors import UserError
 from anima_ui.modelfiles import ModelPaths, check_safetensors
 

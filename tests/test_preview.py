@@ -11,7 +11,9 @@ from safetensors.torch import save_file
 from anima_ui.errors import UserError
 from anima_ui.vae.preview import COMFYUI_WAN21_BIAS, COMFYUI_WAN21_FACTORS, latent_to_rgb, preview_image
 from anima_ui.vae.taehv import load_taehv_decoder, taehv_decoder_shapes
-from tests.test_vae_helpers import one_torch_thread, random_latent  # noqa: F401
+from vae_helpers import random_latent
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_projection_is_the_comfyui_wan21_linear_map():

@@ -8,13 +8,13 @@ import torch
 from safetensors import safe_open
 
 from anima_ui.cli import main
-from anima_ui.commands import random_model
-from anima_ui.commands.random_model import float32_to_bf16_bits, text_encoder_shape, write_random_model
 from anima_ui.errors import UserError
-from anima_ui.model.checkpoint import load_dit, random_dit_state
+from anima_ui.fixtures import model as model_fixture
+from anima_ui.fixtures.model import write_random_model
+from anima_ui.fixtures.weights import float32_to_bf16_bits, random_dit_state, random_vae_state, text_encoder_shape
+from anima_ui.model.checkpoint import dit_param_shapes, load_dit
 from anima_ui.model.config import AnimaConfig
 from anima_ui.modelfiles import ModelPaths
-from anima_ui.vae.wan_decoder import random_vae_state
 
 SEED = 11
 
@@ -59,7 +59,7 @@ def test_dit_file_has_the_release_keys_in_bf16(tiny):
     cfg = AnimaConfig.tiny()
     header = _header(tiny / "diffusion_models/anima-base-v1.0.safetensors")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    # 7 global + 20 per block, 4 adapter globals + 19 per adapter block (anima_model.md §4)
+    # 7 global + 20 per block, 4 adapter globals + 19 per adapter block (dit_param_shapes)
     assert len(tensors) == 7 + 20 * cfg.num_blocks + 4 + 19 * cfg.adapter_layers
     assert all(k.startswith("net.") for k in tensors)
     assert sum(k.startswith("net.llm_adapter.") for k in tensors) == 4 + 19 * cfg.adapter_layers
@@ -128,7 +128,7 @@ def test_an_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(random_model, "_write_vae", interrupted)
+    monkeypatch.setattr(model_fixture, "write_random_vae", interrupted)
     with pytest.raises(KeyboardInterrupt):
         write_random_model(tmp_path / "model", "tiny", 0)
     assert list(tmp_path.iterdir()) == []
@@ -145,3 +145,13 @@ def test_bf16_rounding_matches_torch():
     )
     expected = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(float32_to_bf16_bits(values), expected)
+
+
+def test_random_state_scales(tiny_cfg):
+    state = random_dit_state(tiny_cfg, seed=4)
+    assert set(state) == set(dit_param_shapes(tiny_cfg))
+    norm = state["blocks.0.self_attn.q_norm.weight"]
+    assert 0.02 < norm.std() < 0.3 and abs(norm.mean() - 1) < 0.1  # not all ones: a skipped norm shows
+    w = state["blocks.0.mlp.layer2.weight"]  # fan_in 256
+    assert w.std() == pytest.approx(1 / 16, rel=0.05)
+    assert np.array_equal(random_dit_state(tiny_cfg, seed=4)["llm_adapter.norm.weight"], state["llm_adapter.norm.weight"])

@@ -2,16 +2,16 @@
 board on the tiny model (on an RK3588 the same code runs the rknn backend)."""
 
 import argparse
+import shutil
 
 from anima_ui.bench import runtime as bench
-from anima_ui.commands.random_model import write_random_model
 from anima_ui.convert.export import export_graphs
 from anima_ui.model.checkpoint import load_dit
 from anima_ui.modelfiles import ModelPaths
 
 
-def test_board_table_reports_every_branch_kind(tmp_path, capsys):
-    models = write_random_model(tmp_path / "tiny", "tiny", 0)
+def test_board_table_reports_every_branch_kind(tiny_model, tmp_path, capsys):
+    models = shutil.copytree(tiny_model, tmp_path / "tiny")
     paths = ModelPaths.find(models)
     cfg, weights = load_dit(paths.dit)
     export_graphs(paths, cfg, weights, 64, 64, paths.exported_dir(64, 64))

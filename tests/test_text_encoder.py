@@ -12,15 +12,15 @@ from diffusers.modular_pipelines.anima.encoders import AnimaTextEncoderStep
 from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3Model, T5TokenizerFast
 
-from anima_ui.commands.random_model import (
+from anima_ui.errors import UserError
+from anima_ui.fixtures.model import write_random_model
+from anima_ui.fixtures.weights import (
     FULL_TEXT_ENCODER,
     TextEncoderShape,
-    _write_text_encoder,
     qwen3_param_shapes,
     text_encoder_shape,
-    write_random_model,
+    write_random_text_encoder,
 )
-from anima_ui.errors import UserError
 from anima_ui.model.checkpoint import load_dit, split_adapter
 from anima_ui.model.config import AnimaConfig
 from anima_ui.modelfiles import ModelPaths
@@ -31,14 +31,7 @@ from anima_ui.text.qwen3 import final_hidden_states, load_qwen3, qwen3_config_fr
 PROMPT = "1girl, solo, long hair, looking at viewer, smile, cherry blossoms"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny matrices gain nothing from threads, and on a loaded shared machine OpenMP's spinning
-    threads make each small matmul ~1000x slower; restore the setting for other test files."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +153,7 @@ def test_config_is_inferred_from_full_size_shapes():
 
 def test_text_encoder_narrower_than_the_adapter_is_refused(paths, dit_state, tmp_path):
     narrow = TextEncoderShape(vocab=512, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=64, endoftext_id=448)
-    _write_text_encoder(tmp_path / "te.safetensors", narrow, seed=0)
+    write_random_text_encoder(tmp_path / "te.safetensors", narrow, seed=0)
     other = ModelPaths(**{**paths.__dict__, "text_encoder": tmp_path / "te.safetensors"})
     with pytest.raises(UserError, match="does not match the adapter"):
         TextEncoder.load(other, dit_state)
@@ -169,7 +162,7 @@ def test_text_encoder_narrower_than_the_adapter_is_refused(paths, dit_state, tmp
 def test_text_encoder_missing_a_tensor_is_named(tmp_path):
     te = TextEncoderShape(vocab=512, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64, endoftext_id=448)
     path = tmp_path / "te.safetensors"
-    _write_text_encoder(path, te, seed=0)
+    write_random_text_encoder(path, te, seed=0)
     weights = load_file(str(path))
     del weights["model.layers.1.mlp.up_proj.weight"]
     from safetensors.torch import save_file

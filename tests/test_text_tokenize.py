@@ -4,11 +4,11 @@ import pytest
 from transformers import Qwen2Tokenizer, T5TokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from anima_ui.commands.random_model import write_random_model
+from anima_ui.fixtures.model import write_random_model
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.text.prompt_weights import parse_prompt_weights
 from anima_ui.text.tokenize import PromptTokenizer
-from anima_ui.text.train_tokenizers import QWEN2_PRETOKENIZE_REGEX, write_qwen_tokenizer, write_t5_tokenizer
+from anima_ui.fixtures.tokenizers import QWEN2_PRETOKENIZE_REGEX, write_qwen_tokenizer, write_t5_tokenizer
 
 
 @pytest.fixture(scope="module")

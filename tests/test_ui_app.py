@@ -12,6 +12,8 @@ import pytest
 from gradio_client import Client, handle_file
 from PIL import Image
 
+from anima_ui.fixtures.model import demo_model_dir
+from anima_ui.modelfiles import missing_message
 from helpers import GRADIO_PANDAS_NOISE, RecordingRuntimes, free_port, occupy_worker, start_app, wait_idle
 
 pytestmark = GRADIO_PANDAS_NOISE
@@ -240,12 +242,10 @@ def test_qr_code_carries_the_lan_url():
 
 
 def test_demo_model_is_made_once_and_reused(tmp_path):
-    from anima_ui.ui import setup
-
-    folder = setup.demo_model_dir(tmp_path)
-    assert setup.missing_message(folder) is None
+    folder = demo_model_dir(tmp_path)
+    assert missing_message(folder) is None
     stamp = (folder / "vae" / "qwen_image_vae.safetensors").stat().st_mtime_ns
-    assert setup.demo_model_dir(tmp_path) == folder
+    assert demo_model_dir(tmp_path) == folder
     assert (folder / "vae" / "qwen_image_vae.safetensors").stat().st_mtime_ns == stamp
 
 

@@ -6,7 +6,9 @@ import pytest
 from anima_ui.errors import UserError
 from anima_ui.vae.decode import decode_latent
 from anima_ui.vae.wan_decoder import load_vae_decoder
-from tests.test_vae_helpers import one_torch_thread, random_latent, write_vae_file  # noqa: F401
+from vae_helpers import random_latent, write_vae_file
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

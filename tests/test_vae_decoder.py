@@ -8,7 +8,9 @@ from safetensors.torch import save_file
 from anima_ui.errors import UserError
 from anima_ui.vae.quality import psnr
 from anima_ui.vae.wan_decoder import (decode_tiled, load_vae_decoder, tile_axis, vae_param_shapes)
-from tests.test_vae_helpers import diffusers_decode, one_torch_thread, random_latent, write_vae_file  # noqa: F401
+from vae_helpers import diffusers_decode, random_latent, write_vae_file
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BASE_DIM = 16
 

@@ -8,7 +8,9 @@ from anima_ui.errors import UserError
 from anima_ui.vae.quality import psnr
 from anima_ui.vae.sdcpp import LIBRARY, NativeDecoderUnavailable, SdcppDecoder, cpu_has_native_bf16
 from anima_ui.vae.wan_decoder import load_vae_decoder
-from tests.test_vae_helpers import diffusers_decode, one_torch_thread, random_latent, write_vae_file  # noqa: F401
+from vae_helpers import diffusers_decode, random_latent, write_vae_file
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # 12x12 latent (96x96 px): decoded untiled, and tiled with 8-latent-pixel tiles = 2x2 tiles, overlap 0.5
 # (smaller tiles see too little context for 30 dB with random weights: 4-pixel tiles give 23 dB)

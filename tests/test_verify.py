@@ -7,12 +7,11 @@ import sys
 
 import pytest
 
-from anima_ui.commands.random_model import write_random_model
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    return write_random_model(tmp_path_factory.mktemp("verify") / "tiny", "tiny", 0)
+def tiny_models(tiny_model, tmp_path_factory):
+    return shutil.copytree(tiny_model, tmp_path_factory.mktemp("verify") / "tiny")  # verify exports into it
 
 
 def verify(models, *extra):

@@ -84,10 +84,9 @@ def median(values):
 
 # -- (a) simulated board ------------------------------------------------------------------------------------------
 def simulated_board_table(time_scale: float, steps: int) -> None:
-    from safetensors.numpy import save_file
-
     from anima_ui.convert.export import export_graphs
-    from anima_ui.model.checkpoint import load_dit, random_dit_state
+    from anima_ui.fixtures.weights import write_random_dit
+    from anima_ui.model.checkpoint import load_dit
     from anima_ui.model.config import AnimaConfig
     from anima_ui.runtime import board_latency, open_runtime
     from anima_ui.sampling.schedule import simple_sigmas
@@ -95,7 +94,7 @@ def simulated_board_table(time_scale: float, steps: int) -> None:
     cfg = replace(AnimaConfig.tiny(), num_blocks=board_latency.BLOCKS)
     with tempfile.TemporaryDirectory(prefix="anima-bench-sim-") as work:
         checkpoint = Path(work, "anima-bench-28-blocks.safetensors")
-        save_file({"net." + k: v for k, v in random_dit_state(cfg, 0).items()}, str(checkpoint))
+        write_random_dit(checkpoint, cfg, 0)
         cfg, weights = load_dit(checkpoint)
         graphs = {batch: Path(work, f"onnx-b{batch}") for batch in (1, 2)}
         for batch, folder in graphs.items():
@@ -173,7 +172,7 @@ def machine_table(args) -> None:
 
 
 def _random_full_model(work: Path) -> Path:
-    from anima_ui.commands.random_model import write_random_model
+    from anima_ui.fixtures.model import write_random_model
 
     started = time.perf_counter()
     out = write_random_model(work / "full-model", "full", 0)

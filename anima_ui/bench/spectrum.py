@@ -220,6 +220,6 @@ def run(args) -> int:
 
 
 def _tiny_model(out: Path) -> Path:
-    from anima_ui.commands.random_model import write_random_model
+    from anima_ui.fixtures.model import write_random_model
 
     return write_random_model(out, "tiny", seed=0)

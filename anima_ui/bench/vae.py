@@ -17,8 +17,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from anima_ui.vae.quality import psnr
+
+# Every decoder row runs this module in a process of its own, and that process's peak RSS is what the table
+# reports: torch, the decoders and the fixtures that write their weights are imported inside the functions that use
+# them, so a row carries only what its decoder needs.
 
 DECODERS = {  # in run order: the own untiled decode first, as the PSNR reference
     "torch-untiled": "own torch, untiled",
@@ -50,7 +55,12 @@ def run(args) -> int:
 
 
 def _run_decoders(args, tmp: Path) -> None:
-    vae_path = args.vae or _write_random_vae(tmp / "qwen_image_vae.safetensors")
+    from anima_ui.fixtures.weights import write_random_vae
+
+    vae_path = args.vae
+    if vae_path is None:
+        vae_path = tmp / "qwen_image_vae.safetensors"
+        write_random_vae(vae_path, 96, seed=0)
     _print_decode_header(args.threads)
     for size in args.sizes:
         reference = None  # the own untiled decode of this size, run first
@@ -66,17 +76,6 @@ def _run_decoders(args, tmp: Path) -> None:
 
 
 # ---------------------------------------------------------------- decoders, one subprocess each
-
-def _write_random_vae(path: Path) -> Path:
-    import torch
-    from safetensors.torch import save_file
-
-    from anima_ui.vae.wan_decoder import random_vae_state
-
-    state = random_vae_state(96, seed=0)
-    save_file({k: torch.from_numpy(v).to(torch.bfloat16) for k, v in state.items()}, str(path))
-    return path
-
 
 def bench_latent(size: int) -> np.ndarray:
     return np.random.default_rng(size).standard_normal((1, 16, size // 8, size // 8)).astype(np.float32)
@@ -94,8 +93,6 @@ def _estimated_peak_gb(decoder: str, size: int) -> float:
 
 
 def _run_worker(decoder, weight_type, size, vae_path, threads, tmp: Path) -> dict:
-    import psutil
-
     label = decoder if weight_type is None else f"{decoder} ({weight_type})"
     available = psutil.virtual_memory().available / 2**30
     if _estimated_peak_gb(decoder, size) + 2.0 > available:
@@ -148,7 +145,7 @@ def _worker(job: dict) -> None:
 
 def _diffusers_decoder(vae_path):
     import torch
-    from diffusers import AutoencoderKLQwenImage
+    from diffusers import AutoencoderKLQwenImage  # diffusers: a test and benchmark requirement (requirements-dev.txt)
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
     from safetensors.torch import load_file
 
@@ -192,12 +189,13 @@ def _print_decode_row(r: dict) -> None:
 def _print_preview_table(sizes, tmp: Path, repeats: int, threads: int) -> None:
     import torch
 
+    from anima_ui.fixtures.weights import write_random_taehv
     from anima_ui.vae.preview import latent_to_rgb, preview_image
-    from anima_ui.vae.taehv import load_taehv_decoder, taehv_decoder_shapes
+    from anima_ui.vae.taehv import load_taehv_decoder
 
     torch.set_num_threads(threads)
     taehv_path = tmp / "taew2_1.safetensors"
-    _write_random_taehv(taehv_path, taehv_decoder_shapes())
+    write_random_taehv(taehv_path)
     taehv = load_taehv_decoder(taehv_path)
     cases = [("projection (latent px)", lambda x: latent_to_rgb(x), max(repeats, 50)),
              ("projection + 384 px display", lambda x: preview_image(x, 384), max(repeats, 50)),
@@ -215,15 +213,6 @@ def _print_preview_table(sizes, tmp: Path, repeats: int, threads: int) -> None:
                 times.append(time.perf_counter() - start)
             print(f"{name:<30} {f'{size}x{size}':>9} {f'{size // 8}x{size // 8}':>7} {n:>3} "
                   f"{1000 * float(np.median(times)):>10.2f}")
-
-
-def _write_random_taehv(path: Path, shapes: dict[str, tuple]) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    generator = torch.Generator().manual_seed(0)
-    save_file({f"decoder.{k}": torch.randn(v, generator=generator) * (0.05 if len(v) == 1 else np.prod(v[1:]) ** -0.5)
-               for k, v in shapes.items()}, str(path))
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":

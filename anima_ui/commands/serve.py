@@ -4,8 +4,11 @@ import os
 from pathlib import Path
 
 from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
+from anima_ui.fixtures.model import demo_model_dir
 from anima_ui.runtime import BACKENDS
 from anima_ui.runtime.auto import resolve as resolve_backend
+from anima_ui.ui.app import App, AppConfig
+from anima_ui.ui.system import public_url
 
 
 def add_arguments(parser):
@@ -23,12 +26,9 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from anima_ui.ui import setup, system
-    from anima_ui.ui.app import App, AppConfig
-
     models = Path(args.models)
     if args.demo:
-        models = setup.demo_model_dir()
+        models = demo_model_dir()
         print(f"demo mode: random-weight tiny model in {models}")
     backend, why = resolve_backend(args.backend, models)
     if why:
@@ -47,7 +47,7 @@ def run(args) -> int:
     app = App(config)
     if app.missing:
         print(f"model not ready: {app.missing} (the page offers the download)")
-    print(f"open {system.public_url(args.host, args.port)} on a phone on the same network"
+    print(f"open {public_url(args.host, args.port)} on a phone on the same network"
           + (" (password required)" if config.password else ""))
     app.launch()
     return 0

@@ -1,13 +1,12 @@
-"""The DiT + LLM-adapter checkpoint: its key layout, random weights in that layout, and a torch-free loader."""
+"""The DiT + LLM-adapter checkpoint: its key layout and a torch-free loader."""
 
-import json
-import struct
 from pathlib import Path
 
 import numpy as np
 
 from anima_ui.errors import UserError
 from anima_ui.model.config import AnimaConfig
+from anima_ui.modelfiles import read_safetensors_header
 
 # Release files root their keys at one of these (ComfyUI and diffusion-pipe strip the same ones).
 KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
@@ -70,28 +69,6 @@ def _adapter_shapes(cfg: AnimaConfig) -> dict[str, tuple]:
     return shapes
 
 
-def random_dit_state(cfg: AnimaConfig, seed: int) -> dict[str, np.ndarray]:
-    """Random float32 weights in the official layout. Matrices have std 1/sqrt(fan_in) (0.022 at the real
-    width 2048), so activations, AdaLN gates and branch outputs stay near unit scale at any test width and
-    every branch visibly moves the output. Norm weights are 1 + 0.1·N(0,1) rather than 1 so a mixed-up or
-    skipped norm changes the result; biases are N(0, 0.02²)."""
-    rng = np.random.default_rng(seed)
-    state = {}
-    for key, shape in dit_param_shapes(cfg).items():
-        if _is_norm_weight(key):
-            values = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif len(shape) == 1:
-            values = 0.02 * rng.standard_normal(shape)
-        else:
-            values = rng.standard_normal(shape) / np.sqrt(shape[1])
-        state[key] = values.astype(np.float32)
-    return state
-
-
-def _is_norm_weight(key: str) -> bool:
-    return key.endswith("norm.weight") or ".norm_" in key
-
-
 def split_adapter(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The LLM-adapter tensors with `llm_adapter.` removed (diffusers' AnimaTextConditioner uses these names)."""
     return {k[len(ADAPTER_PREFIX):]: v for k, v in state.items() if k.startswith(ADAPTER_PREFIX)}
@@ -109,7 +86,7 @@ def load_dit(path, dtype=np.float32, keep=None) -> tuple[AnimaConfig, dict[str, 
     tensor, or a damaged file, raises UserError. `keep(key) -> bool` reads only some tensors (every key is
     still checked): the graph backends need only the host's."""
     path = Path(path)
-    header, data_start = _read_header(path)
+    header, data_start = read_safetensors_header(path)
     entries = {strip_prefix(k): v for k, v in header.items() if k != "__metadata__"}
     cfg = AnimaConfig.from_shapes({k: tuple(v["shape"]) for k, v in entries.items()})
     expected = dit_param_shapes(cfg)
@@ -123,22 +100,6 @@ def load_dit(path, dtype=np.float32, keep=None) -> tuple[AnimaConfig, dict[str, 
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     state = {key: _tensor(path, raw, data_start, key, entries[key], dtype) for key in expected if keep is None or keep(key)}
     return cfg, state
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    unreadable = UserError(f"{path} is not a readable safetensors file (damaged or truncated download?); re-download it")
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror}") from None
-    except (struct.error, ValueError, UnicodeDecodeError, MemoryError, OverflowError, AttributeError, KeyError, TypeError, IndexError):
-        raise unreadable from None
-    if path.stat().st_size < 8 + size + end:
-        raise UserError(f"{path} is truncated ({path.stat().st_size} bytes, its header needs {8 + size + end}); re-download it")
-    return header, 8 + size
 
 
 def _tensor(path: Path, raw: np.memmap, data_start: int, key: str, entry: dict, dtype) -> np.ndarray:

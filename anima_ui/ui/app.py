@@ -11,7 +11,9 @@ from anima_ui.errors import UserError
 from anima_ui.history import History, request_settings, settings_from_png
 from anima_ui.jobs import FINISHED, JobManager
 from anima_ui.pipeline import Pipeline
-from anima_ui.ui import form, setup, system
+from anima_ui import download
+from anima_ui.modelfiles import ModelPaths, missing_message
+from anima_ui.ui import form, system
 from anima_ui.ui.watch import ab_comparison, job_labels, job_status
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline board: no calls to Gradio's analytics host
@@ -53,14 +55,14 @@ class App:
     def __init__(self, config: AppConfig):
         self.config = config
         self.history = History(config.outputs_dir)
-        self.missing = setup.missing_message(config.models_dir)
+        self.missing = missing_message(config.models_dir)
         self.manager = JobManager(
             lambda: Pipeline.load(config.models_dir, backend=config.backend, **config.pipeline_options),
             self.history,
             Path(config.outputs_dir) / ".previews",
             preview_size=config.preview_size,
         )
-        paths = None if self.missing else _model_paths(config.models_dir)
+        paths = None if self.missing else ModelPaths.find(config.models_dir)
         self.sizes = form.size_choices(config.backend, paths, config.demo)
         self.strict_sizes = config.backend == "rknn" or (config.backend in ("onnx", "sim") and paths is not None
                                                          and self.sizes != list(form.STANDARD_SIZES))
@@ -219,17 +221,17 @@ class App:
 
     def download_models(self):
         """Fetch the missing official files, then prepare them for the backend (export, RKNN conversion)."""
-        plan = setup.download_plan(self.config.models_dir)
+        plan = download.download_plan(self.config.models_dir)
         lines = []
         try:
-            for line in setup.download(plan, self.config.models_dir):
+            for line in download.download(plan, self.config.models_dir):
                 lines = (lines + [line])[-8:]
                 yield "\n".join(lines)
-            self.missing = setup.missing_message(self.config.models_dir)
+            self.missing = missing_message(self.config.models_dir)
             if self.missing:
                 yield "\n".join(lines + [f"⚠️ still missing: {self.missing}"])
                 return
-            for line in setup.prepare(self.config.models_dir, self.config.backend):
+            for line in download.prepare(self.config.models_dir, self.config.backend):
                 lines = (lines + [line])[-8:]
                 yield "\n".join(lines)
         except UserError as exc:
@@ -263,7 +265,7 @@ class App:
                 gr.Markdown("🧪 **Demo mode:** a random-weight tiny model; pictures are noise by design.",
                             elem_id="demo-banner")
             with gr.Group(visible=bool(self.missing), elem_id="missing"):
-                plan = setup.download_plan(config.models_dir)
+                plan = download.download_plan(config.models_dir)
                 gr.Markdown(f"⚠️ **The model is not ready:** {self.missing}\n\n"
                             f"Download the official files ({len(plan)} files) into `{config.models_dir}`:\n\n"
                             + "\n".join(f"- `{d.dest}` ← {d.url}" for d in plan))
@@ -394,10 +396,3 @@ def _auth(password: str | None):
         return None
     # Any user name: the meetup shares one password.
     return lambda _user, given: given == password
-
-
-def _model_paths(models_dir):
-    from anima_ui.modelfiles import ModelPaths
-
-    return ModelPaths.find(models_dir)
-

@@ -123,23 +123,6 @@ def decoder_param_shapes(base_dim: int = 96) -> dict[str, tuple]:
             if (k.startswith("decoder.") and ".time_conv." not in k) or k.startswith("conv2.")}
 
 
-def random_vae_state(base_dim: int = 96, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 weights for every key: convs ~ N(0, 1/fan_in) so activations keep their scale,
-    norm gammas 1 + small noise, biases small."""
-    rng = np.random.default_rng(seed)
-    state = {}
-    for name, shape in vae_param_shapes(base_dim).items():
-        if name.endswith("gamma"):
-            value = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif name.endswith("bias"):
-            value = 0.02 * rng.standard_normal(shape)
-        else:
-            fan_in = int(np.prod(shape[1:]))
-            value = rng.standard_normal(shape) / np.sqrt(fan_in)
-        state[name] = value.astype(np.float32)
-    return state
-
-
 # ---------------------------------------------------------------- loading
 
 def _infer_base_dim(shapes: dict[str, tuple]) -> int:

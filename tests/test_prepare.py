@@ -2,41 +2,41 @@
 toolkit is present (else it says where to convert)."""
 
 import json
+import shutil
 
 import pytest
 
-from anima_ui.commands.random_model import write_random_model
+from anima_ui import download
 from anima_ui.convert import convert_rknn
-from anima_ui.ui import setup
 
 
 @pytest.fixture()
-def tiny(tmp_path):
-    return write_random_model(tmp_path / "tiny", "tiny", 0)
+def tiny(tiny_model, tmp_path):
+    return shutil.copytree(tiny_model, tmp_path / "tiny")
 
 
 def test_torch_needs_no_preparation(tiny):
-    assert list(setup.prepare(tiny, "torch")) == []
+    assert list(download.prepare(tiny, "torch")) == []
     assert not (tiny / "exported").exists()
 
 
 def test_onnx_exports_the_graphs_once(tiny):
-    lines = list(setup.prepare(tiny, "onnx", 64, 64))
+    lines = list(download.prepare(tiny, "onnx", 64, 64))
     manifest = json.loads((tiny / "exported" / "64x64" / "manifest.json").read_text())
     assert len(manifest["graphs"]) == 3 * 2  # tiny: 2 blocks x (self_attn, cross_attn, mlp)
     assert lines[0] == "anima-ui export: starting" and lines[-1] == "anima-ui export: done"
-    assert list(setup.prepare(tiny, "sim", 64, 64)) == []  # already there: nothing to do
+    assert list(download.prepare(tiny, "sim", 64, 64)) == []  # already there: nothing to do
 
 
 def test_rknn_without_the_toolkit_says_where_to_convert(tiny, monkeypatch, tmp_path):
     monkeypatch.setattr(convert_rknn, "VENV_PYTHON", tmp_path / "no-venv" / "bin" / "python")
-    (line,) = setup.prepare(tiny, "rknn", 64, 64)
+    (line,) = download.prepare(tiny, "rknn", 64, 64)
     assert "convert-rknn" in line and "x86-64 PC" in line
     assert not (tiny / "exported").exists() and not (tiny / "rknn").exists()
 
 
 @pytest.mark.rknn
 def test_rknn_with_the_toolkit_exports_and_converts(tiny):
-    lines = list(setup.prepare(tiny, "rknn", 64, 64))
+    lines = list(download.prepare(tiny, "rknn", 64, 64))
     assert lines[-1] == "anima-ui convert-rknn: done"
     assert (tiny / "rknn" / "64x64" / "manifest.json").is_file()

@@ -1,8 +1,8 @@
-"""First start without a model: what is missing, where each official file comes from, and getting it.
+"""Getting the official files into a model folder, and preparing them for a backend.
 
 The weights are the official release on Hugging Face (`circlestone-labs/Anima`, `split_files/...`); the release has
-no tokenizers, so those come from ComfyUI's bundled copies, the ones the reference implementation loads
-(/work/shared/reference/anima_model.md §1). Downloads go to a temp file beside the target and are renamed when
+no tokenizers, so those come from ComfyUI's bundled copies (`comfy/text_encoders/{qwen25,t5}_tokenizer`), the ones
+ComfyUI, Anima's reference implementation, loads. Downloads go to a temp file beside the target and are renamed when
 complete, so an interrupted download never looks like a model file."""
 
 import os
@@ -13,7 +13,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from anima_ui.convert import convert_rknn
 from anima_ui.errors import UserError
+from anima_ui.modelfiles import ModelPaths
+from anima_ui.runtime.graphs import graphs_ready
 
 HF_BASE = "https://huggingface.co"
 COMFY_RAW = "https://raw.githubusercontent.com/Comfy-Org/ComfyUI/master/comfy/text_encoders"
@@ -51,17 +54,6 @@ def download_plan(models_dir, hf_base: str = HF_BASE, comfy_raw: str = COMFY_RAW
             if not (root / d.dest).is_file() and not (d.dest.startswith("diffusion_models/") and have_dit)]
 
 
-def missing_message(models_dir) -> str | None:
-    """None when the model folder is complete, else the one-line reason (from ModelPaths.find)."""
-    from anima_ui.modelfiles import ModelPaths
-
-    try:
-        ModelPaths.find(models_dir)
-    except UserError as exc:
-        return str(exc)
-    return None
-
-
 def download(plan: list[Download], models_dir):
     """Generator: yields one progress line at a time while it fetches every file of `plan`."""
     root = Path(models_dir)
@@ -85,14 +77,14 @@ def download(plan: list[Download], models_dir):
 
 def _have_hub() -> bool:
     try:
-        import huggingface_hub  # noqa: F401
+        import huggingface_hub  # noqa: F401 -- optional (comes with transformers); without it, plain HTTP
     except ImportError:
         return False
     return True
 
 
 def _download_hub(item: Download, target: Path, label: str):
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download  # optional: only called when _have_hub()
 
     yield f"{label}: downloading through huggingface_hub (byte progress in the server log)"
     staging = target.parent / ".download"  # same filesystem as the target, so the final rename is atomic
@@ -123,20 +115,17 @@ def prepare(models_dir, backend: str, width: int = 512, height: int = 512):
     """Generator: progress lines while the downloaded model is made ready for `backend`: the ONNX export for
     onnx/sim, and for rknn also the RKNN conversion where this machine has the toolkit (an x86-64 PC with
     .venv-rknn); the board itself cannot convert, so there the lines say where to do it."""
-    from anima_ui.convert.convert_rknn import VENV_PYTHON
-    from anima_ui.modelfiles import ModelPaths
-
     if backend == "torch":
         return
     paths = ModelPaths.find(models_dir)
     exported, converted = paths.exported_dir(width, height), paths.rknn_dir(width, height)
-    if backend == "rknn" and (converted / "manifest.json").is_file():
+    if backend == "rknn" and graphs_ready(converted):
         return
-    if backend == "rknn" and not VENV_PYTHON.exists():
+    if backend == "rknn" and not convert_rknn.VENV_PYTHON.exists():
         yield (f"RKNN graphs for {width}x{height} are missing: convert them on an x86-64 PC with "
                "`anima-ui export` and `anima-ui convert-rknn` (README, 'On the board'), then copy models/ here")
         return
-    if not (exported / "manifest.json").is_file():
+    if not graphs_ready(exported):
         yield from _run_cli("export", "--models", str(models_dir), "--width", str(width), "--height", str(height))
     if backend == "rknn":
         yield from _run_cli("convert-rknn", "--onnx", str(exported), "--out", str(converted), "--target", "rk3588")
@@ -157,17 +146,3 @@ def _run_cli(*args):
     if process.wait() != 0:
         raise UserError(f"{label} failed: {last}")
     yield f"{label}: done"
-
-
-def demo_model_dir(cache_dir=None) -> Path:
-    """A tiny random-weight model in the official layout, made once by `anima-ui random-model` and reused."""
-    cache = Path(cache_dir or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "anima-ui"
-    folder = cache / "demo-tiny-seed0"
-    if missing_message(folder) is None:
-        return folder
-    cache.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "anima_ui", "random-model", "--config", "tiny", "--seed", "0", "--out", str(folder)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise UserError(f"could not make the demo model in {folder}: {result.stderr.strip().splitlines()[-1:]}")
-    return folder

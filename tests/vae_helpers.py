@@ -1,12 +1,11 @@
-"""Shared by the VAE tests (no tests here): random VAE files in the official layout and the diffusers oracle."""
+"""Shared by the VAE tests: random VAE files in the official layout and the diffusers oracle."""
 
 import numpy as np
-import pytest
 import torch
 from safetensors.torch import save_file
 
+from anima_ui.fixtures.weights import random_vae_state
 from anima_ui.vae.latent import model_to_vae_space
-from anima_ui.vae.wan_decoder import random_vae_state
 
 
 def write_vae_file(path, base_dim: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -33,13 +32,3 @@ def diffusers_decode(state: dict[str, np.ndarray], base_dim: int, latent: np.nda
 
 def random_latent(h: int, w: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, 16, h, w)).astype(np.float32)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny models here decode in milliseconds on one thread; with two OpenMP threads on a shared,
-    oversubscribed machine each barrier can stall for seconds."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
