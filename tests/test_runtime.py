@@ -14,9 +14,30 @@ from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope, reference_forward
 from anima_ui.runtime import open_runtime
 from anima_ui.runtime.backends import SimulatedBoard
-from anima_ui.runtime.memory import MemoryGate
+from anima_ui.runtime.memory import MemoryGate, process_memory, read_meminfo, swap_used
 
 WIDTH = HEIGHT = 64  # 8x8 latent, 16 image tokens
+
+
+class CountingBoard(SimulatedBoard):
+    """The simulated board, counting the contexts it initialised and has not released: a check on the executor's own
+    count from the backend's side."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._lock = threading.Lock()
+        self.open_count = 0
+
+    def init(self, loaded, entry):
+        context = super().init(loaded, entry)
+        with self._lock:
+            self.open_count += 1
+        return context
+
+    def release(self, context, entry):
+        super().release(context, entry)
+        with self._lock:
+            self.open_count -= 1
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +99,7 @@ def test_prefetch_never_holds_more_than_k_contexts(model):
     x, sigma, context = cfg_inputs(model)
     weights = model["weights"]
     kv, rope = prepare_kv(weights, context), prepare_rope(model["cfg"], HEIGHT // 8, WIDTH // 8)
-    backend = SimulatedBoard(time_scale=0.002)
+    backend = CountingBoard(time_scale=0.002)
     runtime = open_runtime(backend, model["graphs"][1], prefetch=True, max_contexts=2)
     seen = []
 
@@ -117,7 +138,7 @@ def test_cancel_mid_step_closes_every_context(model, prefetch, tmp_path, monkeyp
     weights = model["weights"]
     kv, rope = prepare_kv(weights, context), prepare_rope(model["cfg"], HEIGHT // 8, WIDTH // 8)
     cancel = threading.Event()
-    backend = SimulatedBoard(time_scale=0.002)
+    backend = CountingBoard(time_scale=0.002)
     runtime = open_runtime(backend, graphs, prefetch=prefetch, cancel=cancel)
     visits = []
 
@@ -162,6 +183,15 @@ def test_memory_gate_refuses_when_swap_grows(tmp_path):
     assert not gate.check().ok
     with pytest.raises(UserError, match="swap grew 17.0 MiB"):
         gate.wait_until_open()
+
+
+def test_memory_readings_of_the_machine_and_this_process(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    write_meminfo(meminfo, available_kib=3 << 20, swap_free_kib=(4 << 20) - 1024)
+    info = read_meminfo(str(meminfo))
+    assert info["MemAvailable"] == 3 << 30 and swap_used(info) == 1 << 20
+    own = process_memory()
+    assert 0 < own["pss"] <= own["rss"] <= own["peak_rss"] + (64 << 20)  # the two files are read a moment apart
 
 
 def test_wrong_resolution_names_the_problem(model):

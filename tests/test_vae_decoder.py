@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from anima_ui.errors import UserError
-from anima_ui.vae.quality import psnr
+from anima_ui.metrics import psnr
 from anima_ui.vae.wan_decoder import (decode_tiled, load_vae_decoder, tile_axis, vae_param_shapes)
 from vae_helpers import diffusers_decode, random_latent, write_vae_file
 

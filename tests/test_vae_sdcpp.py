@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from anima_ui.errors import UserError
-from anima_ui.vae.quality import psnr
+from anima_ui.metrics import psnr
 from anima_ui.vae.sdcpp import LIBRARY, NativeDecoderUnavailable, SdcppDecoder, cpu_has_native_bf16
 from anima_ui.vae.wan_decoder import load_vae_decoder
 from vae_helpers import diffusers_decode, random_latent, write_vae_file

@@ -10,6 +10,7 @@
     per-step totals, MemAvailable, PSS, swap) from real steps of the rknn backend."""
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -20,10 +21,27 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch import nn
 
 from anima_ui.errors import UserError
+from anima_ui.fixtures.model import write_random_model
+from anima_ui.fixtures.weights import write_random_dit
+from anima_ui.model.branches import CrossAttentionBranch, block_weights, cross_attention_kv, head_rms_norm
+from anima_ui.model.checkpoint import load_dit
+from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
+from anima_ui.model.forward import TorchBranches, dit_forward, prepare_kv, prepare_rope
+from anima_ui.modelfiles import ModelPaths
+from anima_ui.runtime import board_latency, open_runtime
+from anima_ui.runtime.host_weights import load_host_weights
+from anima_ui.runtime.manifest import Manifest, TensorSpec
+from anima_ui.runtime.memory import GIB, MIB, process_memory, read_meminfo, swap_used
+from anima_ui.sampling.schedule import simple_sigmas
 
-KINDS = ("self_attn", "cross_attn", "mlp")
+# Each (b) variant runs this module in a process of its own and reports that process's peak RSS, so what only some
+# of them use is imported where it is used: the exporter (torch.onnx) and onnxruntime (the (a) table, the
+# cross-attention comparison), and diffusers (a test and benchmark requirement, requirements-dev.txt) for its row.
+
 CFG_SCALE = 4.0
 
 
@@ -59,8 +77,6 @@ def run(args) -> int:
 # -- shared -----------------------------------------------------------------------------------------------------
 def cfg_step_runner(weights, run_branch, kv, rope, cfg_scale=CFG_SCALE):
     """One Euler CFG step on batch 2 (cond, uncond): returns step(x, sigma, sigma_next) -> x_next."""
-    from anima_ui.model.forward import dit_forward
-
     def step(x, sigma, sigma_next):
         velocity = dit_forward(weights, run_branch, np.repeat(x, 2, axis=0), np.full(2, sigma, np.float32), kv, rope)
         guided = velocity[1:] + cfg_scale * (velocity[:1] - velocity[1:])
@@ -70,8 +86,6 @@ def cfg_step_runner(weights, run_branch, kv, rope, cfg_scale=CFG_SCALE):
 
 
 def conditioning(cfg, weights, width, height, seed=0):
-    from anima_ui.model.forward import prepare_kv, prepare_rope
-
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, cfg.latent_channels, height // 8, width // 8)).astype(np.float32)
     context = rng.standard_normal((2, cfg.context_len, cfg.context_dim)).astype(np.float32)
@@ -84,12 +98,7 @@ def median(values):
 
 # -- (a) simulated board ------------------------------------------------------------------------------------------
 def simulated_board_table(time_scale: float, steps: int) -> None:
-    from anima_ui.convert.export import export_graphs
-    from anima_ui.fixtures.weights import write_random_dit
-    from anima_ui.model.checkpoint import load_dit
-    from anima_ui.model.config import AnimaConfig
-    from anima_ui.runtime import board_latency, open_runtime
-    from anima_ui.sampling.schedule import simple_sigmas
+    from anima_ui.convert.export import export_graphs  # torch.onnx: see the note on imports at the top
 
     cfg = replace(AnimaConfig.tiny(), num_blocks=board_latency.BLOCKS)
     with tempfile.TemporaryDirectory(prefix="anima-bench-sim-") as work:
@@ -139,8 +148,6 @@ def simulated_board_table(time_scale: float, steps: int) -> None:
 
 # -- (b) this machine, full size --------------------------------------------------------------------------------------
 def machine_table(args) -> None:
-    from anima_ui.runtime.memory import GIB, read_meminfo
-
     available = read_meminfo()["MemAvailable"] / GIB
     print(f"\n(b) this machine, full-size random weights, {args.width}x{args.height}, one CFG step (batch 2); "
           f"MemAvailable at start {available:.1f} GiB")
@@ -166,14 +173,10 @@ def machine_table(args) -> None:
         _print_machine_rows(results)
     finally:
         if not args.work:
-            import shutil
-
             shutil.rmtree(work, ignore_errors=True)
 
 
 def _random_full_model(work: Path) -> Path:
-    from anima_ui.fixtures.model import write_random_model
-
     started = time.perf_counter()
     out = write_random_model(work / "full-model", "full", 0)
     print(f"    random full-size model written in {time.perf_counter() - started:.0f} s")
@@ -211,17 +214,10 @@ def _print_machine_rows(results: dict) -> None:
 def _peak_rss_gib() -> float:
     """VmHWM: the peak RSS of this process image. (getrusage's ru_maxrss survives fork + exec on Linux, so
     a variant started by a parent that once held the random model would report the parent's peak.)"""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / (1 << 20)
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return process_memory()["peak_rss"] / GIB
 
 
 def _variant_onnx(models, graphs, width, height) -> dict:
-    from anima_ui.modelfiles import ModelPaths
-    from anima_ui.runtime import open_runtime
-    from anima_ui.runtime.host_weights import load_host_weights
-
     cfg, weights = load_host_weights(ModelPaths.find(models).dit, with_adapter=False)
     x, kv, rope = conditioning(cfg, weights, width, height)
     for key in [k for k in weights if ".cross_attn.k_proj." in k or ".cross_attn.v_proj." in k]:
@@ -240,15 +236,9 @@ def _variant_onnx(models, graphs, width, height) -> dict:
 
 def _variant_cross_attention(models, graphs, width, height) -> dict:
     """Block 0's cross-attention as exported (k, v inputs) vs a graph that also projects the context."""
-    import onnxruntime
-    import torch
+    import onnxruntime  # see the note on imports at the top
 
     from anima_ui.convert.export import export_branch
-    from anima_ui.model.branches import CrossAttentionBranch, block_weights
-    from anima_ui.model.checkpoint import load_dit
-    from anima_ui.model.forward import prepare_kv
-    from anima_ui.runtime.host_weights import load_host_weights
-    from anima_ui.runtime.manifest import Manifest, TensorSpec
 
     cfg, host = load_host_weights(_dit_path(models), with_adapter=False)
     rng = np.random.default_rng(0)
@@ -267,7 +257,7 @@ def _variant_cross_attention(models, graphs, width, height) -> dict:
     block = {k: v for k, v in block_weights(state, 0).items() if k.startswith("cross_attn.")}
     del state
     module = _projecting_cross_attention(block).eval()
-    context_spec = TensorSpec("context", (1, 512, block["cross_attn.k_proj.weight"].shape[1]), "float32", True)
+    context_spec = TensorSpec("context", (1, cfg.context_len, block["cross_attn.k_proj.weight"].shape[1]), "float32", True)
     with tempfile.TemporaryDirectory() as work:
         path = Path(work, "ca_projecting.onnx")
         export_branch(module, (h_spec, context_spec), path)
@@ -275,8 +265,6 @@ def _variant_cross_attention(models, graphs, width, height) -> dict:
     context = rng.standard_normal(context_spec.shape).astype(np.float32)
     projecting_ms = _median_ms(lambda: session.run(None, {"h": h, "context": context}))
     with torch.inference_mode():  # the two graphs compute the same thing
-        from anima_ui.model.branches import cross_attention_kv
-
         k, v = cross_attention_kv(block, context)
         same = CrossAttentionBranch(block)(torch.from_numpy(h), torch.from_numpy(k), torch.from_numpy(v)).numpy()
     got = session.run(None, {"h": h, "context": context})[0]
@@ -286,20 +274,12 @@ def _variant_cross_attention(models, graphs, width, height) -> dict:
 
 
 def _dit_path(models) -> Path:
-    from anima_ui.modelfiles import ModelPaths
-
     return ModelPaths.find(models).dit
 
 
 def _projecting_cross_attention(block: dict):
     """Cross-attention that computes k/v from the 512-token context inside the graph (what the graphs
     would do without host K/V): k_proj, per-head k_norm, v_proj, then the exported branch."""
-    import torch
-    from torch import nn
-
-    from anima_ui.model.branches import CrossAttentionBranch
-    from anima_ui.model.host import EPS
-
     class ProjectingCrossAttention(nn.Module):
         def __init__(self):
             super().__init__()
@@ -311,7 +291,7 @@ def _projecting_cross_attention(block: dict):
         def forward(self, h, context):
             b, s, _ = context.shape
             k = nn.functional.linear(context, self.k_proj).reshape(b, s, -1, self.k_norm.shape[0])
-            k = (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + EPS) * self.k_norm).reshape(b, s, -1)
+            k = head_rms_norm(k, self.k_norm).reshape(b, s, -1)
             return self.branch(h, k, nn.functional.linear(context, self.v_proj))
 
     return ProjectingCrossAttention()
@@ -328,9 +308,6 @@ def _median_ms(fn, repeats=5) -> float:
 
 
 def _variant_torch(models, graphs, width, height) -> dict:
-    from anima_ui.model.checkpoint import load_dit
-    from anima_ui.model.forward import TorchBranches
-
     cfg, weights = load_dit(_dit_path(models))
     x, kv, rope = conditioning(cfg, weights, width, height)
     branches = TorchBranches(weights, cfg)
@@ -351,11 +328,8 @@ def _variant_torch(models, graphs, width, height) -> dict:
 
 
 def _variant_diffusers(models, graphs, width, height) -> dict:
-    import torch
-    from diffusers import CosmosTransformer3DModel
+    from diffusers import CosmosTransformer3DModel  # see the note on imports at the top
     from diffusers.loaders.single_file_utils import convert_cosmos_transformer_checkpoint_to_diffusers
-
-    from anima_ui.model.checkpoint import load_dit
 
     cfg, weights = load_dit(_dit_path(models))
     dit = {k: torch.from_numpy(v) for k, v in weights.items() if not k.startswith("llm_adapter.")}
@@ -384,13 +358,6 @@ VARIANTS = {"onnx": _variant_onnx, "torch": _variant_torch, "diffusers": _varian
 
 # -- (c) on the board -----------------------------------------------------------------------------------------------
 def board_table(args) -> int:
-    from anima_ui.model.forward import prepare_rope
-    from anima_ui.modelfiles import ModelPaths
-    from anima_ui.runtime import open_runtime
-    from anima_ui.runtime.host_weights import load_host_weights
-    from anima_ui.runtime.memory import GIB, MIB, read_meminfo
-    from anima_ui.sampling.schedule import simple_sigmas
-
     if not args.models:
         raise UserError("--board needs --models DIR (the folder with rknn/WxH from `anima-ui convert-rknn`)")
     paths = ModelPaths.find(args.models)
@@ -403,7 +370,7 @@ def board_table(args) -> int:
     for prefetch in (False, True):
         runtime = open_runtime(args.backend, graphs, prefetch=prefetch, time_scale=args.time_scale)
         per_kind = _phase_recorder(runtime)
-        swap_start = _swap_used(read_meminfo())
+        swap_start = swap_used(read_meminfo())
         step = cfg_step_runner(weights, runtime, kv, rope)
         seconds, low_available, peak_pss = [], float("inf"), 0
         for i in range(args.steps):
@@ -412,25 +379,25 @@ def board_table(args) -> int:
             seconds.append(time.perf_counter() - started)
             info = read_meminfo()
             low_available = min(low_available, info["MemAvailable"])
-            peak_pss = max(peak_pss, _pss_bytes())
+            peak_pss = max(peak_pss, process_memory()["pss"])
         t = runtime.timings
         runtime.close()
         print(f"\n{'prefetch K=2' if prefetch else 'serial'}: {median(seconds):.2f} s/step median over {args.steps} steps; "
               f"per step: NPU {t['inference'] / args.steps:.2f} s, host {t['host'] / args.steps:.2f} s, "
               f"lifecycle {t['lifecycle'] / args.steps:.2f} s (exposed {t['lifecycle_exposed'] / args.steps:.2f} s)")
         print(f"{'branch':<11} {'models':>6} {'load s':>8} {'init s':>8} {'inference s':>12} {'release s':>10}   (means per model)")
-        for kind in KINDS:
+        for kind in BRANCH_KINDS:
             p = per_kind[kind]
             n = max(p["models"], 1)
             print(f"{kind:<11} {p['models']:>6} {p['load'] / n:8.4f} {p['init'] / n:8.4f} {p['inference'] / n:12.4f} {p['release'] / n:10.4f}")
         print(f"lowest MemAvailable {low_available / GIB:.2f} GiB, peak process PSS {peak_pss / MIB:.0f} MiB, "
-              f"swap growth {(_swap_used(read_meminfo()) - swap_start) / MIB:.1f} MiB, gate: {runtime.gate_status.message}")
+              f"swap growth {(swap_used(read_meminfo()) - swap_start) / MIB:.1f} MiB, gate: {runtime.gate_status.message}")
     return 0
 
 
 def _phase_recorder(runtime) -> dict:
     """Wrap the runtime's backend so each phase's seconds are also summed per branch kind."""
-    per_kind = {kind: {"models": 0, "load": 0.0, "init": 0.0, "inference": 0.0, "release": 0.0} for kind in KINDS}
+    per_kind = {kind: {"models": 0, "load": 0.0, "init": 0.0, "inference": 0.0, "release": 0.0} for kind in BRANCH_KINDS}
     lock = threading.Lock()
     backend = runtime.backend
     for phase in ("load", "init", "run", "release"):
@@ -448,20 +415,6 @@ def _phase_recorder(runtime) -> dict:
 
         setattr(backend, phase, timed)
     return per_kind
-
-
-def _swap_used(info: dict) -> int:
-    return info.get("SwapTotal", 0) - info.get("SwapFree", 0)
-
-
-def _pss_bytes() -> int:
-    try:
-        for line in open("/proc/self/smaps_rollup"):
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from anima_ui.errors import UserError
+from anima_ui.metrics import psnr
 from anima_ui.sampling.cfg import cfg_combine
 from anima_ui.sampling.euler import sample_euler
 from anima_ui.sampling.noise import initial_noise
 from anima_ui.sampling.schedule import simple_sigmas
 from anima_ui.sampling.spectrum import Spectrum, plan
 from anima_ui.vae.preview import latent_to_rgb
-from anima_ui.vae.quality import psnr
 
 IMAGE_SIDE = 256  # → a [1, 16, 32, 32] latent
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from anima_ui.vae.quality import psnr
+from anima_ui.metrics import psnr
 
 # Every decoder row runs this module in a process of its own, and that process's peak RSS is what the table
 # reports: torch, the decoders and the fixtures that write their weights are imported inside the functions that use

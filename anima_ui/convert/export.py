@@ -17,8 +17,8 @@ import torch
 
 from anima_ui.errors import UserError
 from anima_ui.model.branches import BRANCH_CLASSES, BRANCH_INPUTS, block_weights
-from anima_ui.model.config import AnimaConfig
-from anima_ui.runtime.manifest import KINDS, GraphEntry, Manifest, TensorSpec, sha256_file
+from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
+from anima_ui.runtime.manifest import GraphEntry, Manifest, TensorSpec, sha256_file
 
 OPSET = 19
 DTYPES = {"fp32": (torch.float32, "float32"), "fp16": (torch.float16, "float16")}
@@ -68,7 +68,7 @@ def export_graphs(checkpoint, config: AnimaConfig, weights: dict[str, np.ndarray
         graphs = []
         for block in range(config.num_blocks):
             block_state = block_weights(weights, block)
-            for kind in KINDS:
+            for kind in BRANCH_KINDS:
                 inputs = branch_input_specs(config, kind, width, height, batch, np_dtype)
                 file = f"block{block:02d}_{kind}.onnx"
                 module = BRANCH_CLASSES[kind](block_state).eval().to(torch_dtype)

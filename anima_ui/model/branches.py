@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anima_ui.model.host import EPS
+from anima_ui.model.host import EPS, rms_norm
 
 
 def block_weights(state: dict[str, np.ndarray], block: int) -> dict[str, np.ndarray]:
@@ -22,8 +22,9 @@ def _frozen(array: np.ndarray) -> nn.Parameter:
     return nn.Parameter(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), requires_grad=False)
 
 
-def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """RMSNorm over the last (head) axis, written out so it exports as plain ops."""
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over the last (head) axis in torch (host.rms_norm is the NumPy one), written out so it exports as
+    plain ops."""
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + EPS) * weight
 
 
@@ -51,8 +52,8 @@ class SelfAttentionBranch(nn.Module):
     def forward(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
         b, n, d = h.shape
         heads = (b, n, d // self.head_dim, self.head_dim)
-        q = _head_rms_norm(F.linear(h, self.q_proj).reshape(heads), self.q_norm)
-        k = _head_rms_norm(F.linear(h, self.k_proj).reshape(heads), self.k_norm)
+        q = head_rms_norm(F.linear(h, self.q_proj).reshape(heads), self.q_norm)
+        k = head_rms_norm(F.linear(h, self.k_proj).reshape(heads), self.k_norm)
         v = F.linear(h, self.v_proj).reshape(heads)
         cos, sin = rope_cos[None, :, None, :], rope_sin[None, :, None, :]
         q = q * cos + _rotate_half(q) * sin
@@ -78,7 +79,7 @@ class CrossAttentionBranch(nn.Module):
     def forward(self, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, n, d = h.shape
         heads = d // self.head_dim
-        q = _head_rms_norm(F.linear(h, self.q_proj).reshape(b, n, heads, self.head_dim), self.q_norm)
+        q = head_rms_norm(F.linear(h, self.q_proj).reshape(b, n, heads, self.head_dim), self.q_norm)
         s = k.shape[1]
         k = k.reshape(b, s, heads, self.head_dim)
         v = v.reshape(b, s, heads, self.head_dim)
@@ -109,5 +110,4 @@ def cross_attention_kv(weights: dict[str, np.ndarray], context: np.ndarray) -> t
     norm = weights["cross_attn.k_norm.weight"]
     b, s, d = k.shape
     heads = k.reshape(b, s, d // norm.shape[0], norm.shape[0])
-    heads = heads / np.sqrt(np.mean(np.square(heads), axis=-1, keepdims=True) + EPS) * norm
-    return heads.reshape(b, s, d).astype(np.float32), v.astype(np.float32)
+    return rms_norm(heads, norm).reshape(b, s, d).astype(np.float32), v.astype(np.float32)

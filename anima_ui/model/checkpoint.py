@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 
 from anima_ui.errors import UserError
-from anima_ui.model.config import AnimaConfig
+from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
 from anima_ui.modelfiles import read_safetensors_header
 
 # Release files root their keys at one of these (ComfyUI and diffusion-pipe strip the same ones).
@@ -35,7 +35,7 @@ def dit_param_shapes(cfg: AnimaConfig) -> dict[str, tuple]:
             shapes[f"{b}{attn}.k_norm.weight"] = (cfg.head_dim,)
         shapes[f"{b}mlp.layer1.weight"] = (cfg.mlp_dim, d)
         shapes[f"{b}mlp.layer2.weight"] = (d, cfg.mlp_dim)
-        for kind in ("self_attn", "cross_attn", "mlp"):
+        for kind in BRANCH_KINDS:
             shapes[f"{b}adaln_modulation_{kind}.1.weight"] = (r, d)
             shapes[f"{b}adaln_modulation_{kind}.2.weight"] = (3 * d, r)
     shapes["final_layer.linear.weight"] = (cfg.out_features, d)

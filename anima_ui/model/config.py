@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 from anima_ui.errors import UserError
 
+BRANCH_KINDS = ("self_attn", "cross_attn", "mlp")  # every block's three branches, in the order they run
+CONTEXT_LEN = 512  # text tokens the DiT cross-attends to: the adapter's output, zero-padded to this length
+
 
 @dataclass(frozen=True)
 class AnimaConfig:
@@ -24,7 +27,7 @@ class AnimaConfig:
     adapter_vocab: int = 32128
     patch: int = 2
     latent_channels: int = 16
-    context_len: int = 512
+    context_len: int = CONTEXT_LEN
     rope_theta: float = 10000.0
     rope_hw_extrapolation: float = 4.0  # NTK factor on the h/w thetas; t needs none (images are frame 0)
 

@@ -12,10 +12,9 @@ import torch
 from anima_ui.errors import UserError
 from anima_ui.model import host
 from anima_ui.model.branches import BRANCH_CLASSES, BRANCH_INPUTS, block_weights, cross_attention_kv
-from anima_ui.model.config import AnimaConfig
+from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
 
 RunBranch = Callable[[int, str, dict], np.ndarray]
-KINDS = ("self_attn", "cross_attn", "mlp")
 
 
 def dit_forward(
@@ -43,7 +42,7 @@ def dit_forward(
             "cross_attn": {"k": k, "v": v},
             "mlp": {},
         }
-        for kind in KINDS:
+        for kind in BRANCH_KINDS:
             shift, scale, gate = modulations[i][kind]
             out = run_branch(i, kind, {"h": host.adaln(residual, shift, scale), **branch_inputs[kind]})
             host.add_gated(residual, gate, out)
@@ -73,7 +72,7 @@ def num_blocks(weights: dict) -> int:
 def prepare_kv(weights: dict[str, np.ndarray], contexts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Cross-attention k, v of every block for contexts [B,S,C] (cond and uncond stacked for CFG).
     The zero padding rows after the prompt give k = v = 0 exactly (k_norm of a zero row is zero), so only
-    the rows up to the last non-zero one are projected: a short prompt costs a fraction of 512 rows."""
+    the rows up to the last non-zero one are projected: a short prompt costs a fraction of the 512 (CONTEXT_LEN) rows."""
     contexts = np.asarray(contexts, np.float32)
     used = _used_rows(contexts)
     kv = []

@@ -6,7 +6,7 @@ stream for this model has large values")."""
 import numpy as np
 
 from anima_ui.errors import UserError
-from anima_ui.model.config import AnimaConfig
+from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
 
 EPS = 1e-6
 
@@ -67,7 +67,7 @@ def block_modulations(weights: dict, num_blocks: int, e: np.ndarray, lora: np.nd
     """Per block and branch kind: (shift, scale, gate), each [B, D]. Computed once per forward."""
     silu_e = silu(e)
     return [
-        {kind: modulation(weights, f"blocks.{i}.adaln_modulation_{kind}", silu_e, lora, 3) for kind in ("self_attn", "cross_attn", "mlp")}
+        {kind: modulation(weights, f"blocks.{i}.adaln_modulation_{kind}", silu_e, lora, 3) for kind in BRANCH_KINDS}
         for i in range(num_blocks)
     ]
 

@@ -22,15 +22,6 @@ class Backend:
     name = ""
     graph_format = "onnx"  # which manifest format this backend runs
 
-
-    def __init__(self):
-        self._open_lock = threading.Lock()
-        self.open_count = 0  # contexts initialised and not yet released, counted by the backend itself
-
-    def _opened(self, delta: int) -> None:
-        with self._open_lock:
-            self.open_count += delta
-
     def simulate_host(self, seconds_since_last_visit: float) -> None:
         """Called by the executor between two visits; only the simulated board adds host time."""
 
@@ -56,8 +47,7 @@ class OnnxBackend(Backend):
     name = "onnx"
 
     def __init__(self, threads: int = 0):
-        super().__init__()
-        import onnxruntime
+        import onnxruntime  # only the onnx and sim backends need it: the rknn backend runs without
 
         self._ort = onnxruntime
         self.threads = threads
@@ -73,17 +63,14 @@ class OnnxBackend(Backend):
         options.enable_cpu_mem_arena = False
         # Spinning worker threads would take the cores the prefetch thread needs for the next session.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        session = self._ort.InferenceSession(loaded, options, providers=["CPUExecutionProvider"])
-        self._opened(+1)
-        return session
+        return self._ort.InferenceSession(loaded, options, providers=["CPUExecutionProvider"])
 
     def run(self, context, entry, arrays):
         feeds = {spec.name: array for spec, array in zip(entry.inputs, arrays)}
         return context.run([entry.outputs[0].name], feeds)[0]
 
     def release(self, context, entry):
-        # The executor drops its last reference to the session right after this; nothing else holds it.
-        self._opened(-1)
+        """Nothing to call: the executor drops its last reference to the session right after this."""
 
 
 class SimulatedBoard(OnnxBackend):
@@ -132,9 +119,7 @@ class SimulatedBoard(OnnxBackend):
         if self.keep_sessions:
             if entry.file not in self._sessions:
                 self._sessions[entry.file] = super().init(loaded, entry)
-                self._opened(-1)  # counted once per context below, not per kept session
             session = self._sessions[entry.file]
-            self._opened(+1)
         else:
             session = super().init(loaded, entry)
         self._pad(started, board_latency.phase_seconds(entry.kind)["init"])
@@ -177,7 +162,6 @@ class RknnLiteBackend(Backend):
 
     def __init__(self, core_mask: str = "auto", npu: board.NpuDevice | None = None, library: board.Librknnrt | None = None):
         """npu, library: this machine's facts for error messages, when the caller has them (else probed on failure)."""
-        super().__init__()
         try:
             from rknnlite.api import RKNNLite  # aarch64 only: imported when the board backend is chosen
         except ImportError:
@@ -211,7 +195,6 @@ class RknnLiteBackend(Backend):
                 self.sdk_version = loaded.get_sdk_version() or ""
         # load_rknn keeps the whole file as Python bytes; the context no longer needs them after init.
         loaded.rknn_data = None
-        self._opened(+1)
         return loaded
 
     def run(self, context, entry, arrays):
@@ -224,7 +207,6 @@ class RknnLiteBackend(Backend):
     def release(self, context, entry):
         with captured_output():
             context.release()
-        self._opened(-1)
 
 
 def check_outputs(outputs: list, entry: GraphEntry) -> list[np.ndarray]:

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from anima_ui.errors import UserError
+from anima_ui.model.config import BRANCH_KINDS
 
 MANIFEST = "manifest.json"
-KINDS = ("self_attn", "cross_attn", "mlp")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Manifest:
 
     def cycle(self) -> list[tuple[int, str]]:
         """The fixed visiting order of dit_forward: block 0 sa, ca, mlp, block 1 sa, ..."""
-        return sorted(self._index(), key=lambda bk: (bk[0], KINDS.index(bk[1])))
+        return sorted(self._index(), key=lambda bk: (bk[0], BRANCH_KINDS.index(bk[1])))
 
     def _index(self) -> dict:
         return {(g.block, g.kind): g for g in self.graphs}
@@ -74,7 +74,7 @@ class Manifest:
 
     def check_complete(self, folder) -> None:
         blocks = {g.block for g in self.graphs}
-        expected = {(b, k) for b in range(len(blocks)) for k in KINDS}
+        expected = {(b, k) for b in range(len(blocks)) for k in BRANCH_KINDS}
         if set(self._index()) != expected or len(self.graphs) != len(expected):
             raise UserError(f"{Path(folder, MANIFEST)} does not list 3 branch graphs for each of blocks 0..{len(blocks) - 1}; export again")
         for g in self.graphs:

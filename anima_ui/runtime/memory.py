@@ -1,8 +1,9 @@
-"""The memory gate: before a branch context is opened, check that the machine can afford it.
+"""What the machine's memory is doing (/proc read in one place: the gate, the UI's status panel and the benchmarks
+all read it here), and the memory gate: before a branch context is opened, check that the machine can afford it.
 
-The blog's safety stop (board_facts.md): MemAvailable < 1.5 GiB or system swap growth > 16 MiB. On an
-8 GB board, swapping in the middle of a step costs far more than waiting, so the gate refuses rather
-than letting the kernel decide. The latest verdict is kept in `status` for the UI."""
+The gate is the source blog's safety stop (docs/board_facts.md): MemAvailable < 1.5 GiB or system swap growth
+> 16 MiB. On an 8 GB board, swapping in the middle of a step costs far more than waiting, so the gate refuses
+rather than letting the kernel decide. The latest verdict is kept in `status` for the UI."""
 
 import time
 from dataclasses import dataclass
@@ -15,12 +16,30 @@ MIB = 1 << 20
 
 def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     """/proc/meminfo as bytes per field."""
+    return _read_kb_fields(path)
+
+
+def swap_used(meminfo: dict[str, int]) -> int:
+    """Bytes of swap in use, from `read_meminfo()`."""
+    return meminfo.get("SwapTotal", 0) - meminfo.get("SwapFree", 0)
+
+
+def process_memory() -> dict[str, int]:
+    """This process in bytes: `rss`, `pss` (shared pages counted fairly: what the process really costs the board)
+    and `peak_rss` (VmHWM, the high-water mark of this process image since it started)."""
+    rollup = _read_kb_fields("/proc/self/smaps_rollup")
+    status = _read_kb_fields("/proc/self/status")
+    return {"rss": rollup["Rss"], "pss": rollup["Pss"], "peak_rss": status["VmHWM"]}
+
+
+def _read_kb_fields(path: str) -> dict[str, int]:
+    """`Name: value [kB]` lines as bytes per name (fields that are not a number are skipped)."""
     fields = {}
     with open(path) as f:
         for line in f:
             name, _, rest = line.partition(":")
             parts = rest.split()
-            if parts:
+            if parts and parts[0].isdigit():
                 fields[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     return fields
 
@@ -40,17 +59,13 @@ class MemoryGate:
         self.max_swap_growth_mib = max_swap_growth_mib
         self.wait_seconds = wait_seconds
         self.meminfo_path = meminfo_path
-        self.swap_at_start = self._swap_used()
+        self.swap_at_start = swap_used(read_meminfo(meminfo_path))
         self.status = self.check()
-
-    def _swap_used(self) -> int:
-        info = read_meminfo(self.meminfo_path)
-        return info.get("SwapTotal", 0) - info.get("SwapFree", 0)
 
     def check(self) -> GateStatus:
         info = read_meminfo(self.meminfo_path)
         available = info["MemAvailable"] / GIB
-        growth = (info.get("SwapTotal", 0) - info.get("SwapFree", 0) - self.swap_at_start) / MIB
+        growth = (swap_used(info) - self.swap_at_start) / MIB
         if available < self.floor_gib:
             message = f"memory gate: MemAvailable {available:.2f} GiB is under the {self.floor_gib:g} GiB floor"
         elif growth > self.max_swap_growth_mib:

@@ -9,10 +9,10 @@ import torch
 from anima_ui.errors import UserError
 from anima_ui.model.adapter import llm_adapter_forward, pad_context
 from anima_ui.model.checkpoint import ADAPTER_PREFIX, split_adapter
+from anima_ui.model.config import CONTEXT_LEN
 from anima_ui.text.qwen3 import final_hidden_states, load_qwen3
 from anima_ui.text.tokenize import PromptTokenizer
 
-CONTEXT_LENGTH = 512
 CACHE_PROMPTS = 4  # positive + negative of the current job and of the previous one
 
 
@@ -62,4 +62,4 @@ class TextEncoder:
         source = final_hidden_states(self.qwen3, tokens.qwen_ids)
         out = llm_adapter_forward(self.adapter_weights, source, np.array([tokens.t5_ids], dtype=np.int64))
         out = out * np.asarray(tokens.t5_weights, dtype=np.float32)[None, :, None]
-        return pad_context(out, CONTEXT_LENGTH).astype(np.float32, copy=False)
+        return pad_context(out, CONTEXT_LEN).astype(np.float32, copy=False)

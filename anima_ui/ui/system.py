@@ -1,31 +1,12 @@
-"""What the board is doing: memory, the process, the NPU runtime; the LAN address and its QR code."""
+"""What the board is doing, as the status panel shows it (memory, the process, the NPU runtime; the numbers are read
+by anima_ui.runtime.memory), and the LAN address with its QR code."""
 
 import socket
-from pathlib import Path
 
-import psutil
 import segno
 
 from anima_ui import checkup
-
-GIB = 1024**3
-
-
-def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    values = {}
-    for line in Path(path).read_text().splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts:
-            values[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
-    return values
-
-
-def process_memory() -> dict[str, int]:
-    """RSS and PSS of this process (PSS counts shared pages fairly: what the process really costs the board)."""
-    info = psutil.Process().memory_full_info()
-    return {"rss": info.rss, "pss": getattr(info, "pss", info.rss)}
+from anima_ui.runtime.memory import GIB, process_memory, read_meminfo, swap_used
 
 
 def lan_address() -> str:
@@ -51,19 +32,18 @@ def qr_html(url: str) -> str:
 
 
 def status_markdown(manager, backend: str, models_dir=None) -> str:
-    mem = meminfo()
+    mem = read_meminfo()
     proc = process_memory()
-    swap_used = mem.get("SwapTotal", 0) - mem.get("SwapFree", 0)
     pipeline = manager.pipeline
-    runtime = getattr(pipeline, "runtime", None)
+    runtime = pipeline.runtime if pipeline is not None else None
     if pipeline is not None:
         model = pipeline.paths.dit.name
     else:
         model = f"not loaded ({manager.load_error})" if manager.load_error else "loading…"
     lines = [
         f"**Backend** {backend} · **Model** {model}",
-        f"**NPU contexts open** {getattr(runtime, 'open_contexts', 0) if runtime is not None else 0}",
-        f"**MemAvailable** {mem.get('MemAvailable', 0) / GIB:.2f} GiB · **Swap used** {swap_used / GIB:.2f} GiB",
+        f"**NPU contexts open** {runtime.open_contexts if runtime is not None else 0}",
+        f"**MemAvailable** {mem.get('MemAvailable', 0) / GIB:.2f} GiB · **Swap used** {swap_used(mem) / GIB:.2f} GiB",
         f"**This process** RSS {proc['rss'] / GIB:.2f} GiB · PSS {proc['pss'] / GIB:.2f} GiB",
         f"**Jobs in line** {len(manager.line())}",
     ]
@@ -78,7 +58,7 @@ def status_markdown(manager, backend: str, models_dir=None) -> str:
 def gate_warning(runtime) -> str | None:
     """The memory gate's message while it holds the next context back (runtime.gate_status is a
     anima_ui.runtime.memory.GateStatus); None when it lets contexts open or nothing is running."""
-    status = getattr(runtime, "gate_status", None) if runtime is not None else None
+    status = runtime.gate_status if runtime is not None else None
     if status is None or status.ok:
         return None
     return status.message

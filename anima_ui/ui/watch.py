@@ -7,7 +7,7 @@ import numpy as np
 from PIL import Image
 
 from anima_ui.infotext import format_seconds
-from anima_ui.ui.compare import psnr, ssim
+from anima_ui.metrics import psnr, ssim
 
 PHASES = {"export": "exporting the branch graphs for this size (once; minutes at full size)", "text": "encoding the prompt",
           "decode": "decoding the image", None: "starting"}
@@ -67,5 +67,5 @@ def ab_comparison(session: dict, manager, history) -> tuple[tuple | None, str]:
     if t_off and t_on:
         timing += f" · speed-up {t_off / t_on:.2f}×"
     evals = f" · model evaluations {off.summary.get('model_evals')} vs {on.summary.get('model_evals')}"
-    quality = f"PSNR {psnr(a, b):.2f} dB · SSIM {ssim(a, b):.4f}"
+    quality = f"PSNR {psnr(a, b, peak=255.0):.2f} dB · SSIM {ssim(a, b):.4f}"
     return (str(off.png_path), str(on.png_path)), f"{timing}{evals}\n\n{quality}"

@@ -1,4 +1,4 @@
-"""PSNR and SSIM between two images (the A/B Spectrum comparison), in NumPy.
+"""Image agreement measures in NumPy: PSNR and SSIM (the A/B Spectrum comparison, the VAE tests and benchmarks).
 
 SSIM is Wang et al. 2004 as usually implemented (skimage `structural_similarity(gaussian_weights=True,
 sigma=1.5, use_sample_covariance=False, data_range=255)`): an 11x11 Gaussian window (sigma 1.5), K1 0.01, K2 0.03,
@@ -9,9 +9,11 @@ import numpy as np
 K1, K2, DATA_RANGE = 0.01, 0.03, 255.0
 
 
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else float(10 * np.log10(DATA_RANGE**2 / mse))
+def psnr(a: np.ndarray, b: np.ndarray, peak: float = 1.0) -> float:
+    """Peak signal-to-noise ratio in dB between two images on the same scale, whose largest value is `peak`
+    (255 for uint8 pixels); inf when they are identical."""
+    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+    return float("inf") if mse == 0.0 else float(10.0 * np.log10(peak * peak / mse))
 
 
 def gaussian_window(size: int = 11, sigma: float = 1.5) -> np.ndarray:
