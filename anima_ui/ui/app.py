@@ -4,6 +4,7 @@ big-screen page at /big. Every handler here only submits, watches or cancels job
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import gradio as gr
 
@@ -75,20 +76,27 @@ class App:
                                   allowed_sizes=self.sizes if self.strict_sizes else None)
 
     def generate(self, session, prompt, negative, seed, cfg, steps, size, spectrum, preview_method):
-        """-> (session, inline message, fresh). `fresh` tells the chained watcher whether there is a new job."""
+        """-> session, inline message, fresh (tells the chained watcher whether there is a new job)."""
         try:
             request = self._request(prompt, negative, seed, cfg, steps, size, spectrum)
             job = self.manager.submit(request, preview_method)
         except UserError as exc:
-            return session, f"⚠️ {exc}", False
-        return {"jobs": [job.id], "ab": None, "last_seed": request.seed}, "", True
+            return self._refused(session, exc)
+        return self._submitted({"jobs": [job.id], "ab": None, "last_seed": request.seed}, "")
+
+    def _submitted(self, session: dict, message: str) -> dict:
+        return {self.ui.session: session, self.ui.message: message, self.ui.fresh: True}
+
+    def _refused(self, session, exc: UserError) -> dict:
+        """The page keeps following what it followed; the problem shows inline."""
+        return {self.ui.session: session, self.ui.message: f"⚠️ {exc}", self.ui.fresh: False}
 
     def ab(self, session, prompt, negative, seed, cfg, steps, size, spectrum, preview_method):
         """The same prompt and seed with Spectrum off and on; a finished twin in the history is reused."""
         try:
             base = self._request(prompt, negative, seed, cfg, steps, size, False)
         except UserError as exc:
-            return session, f"⚠️ {exc}", False
+            return self._refused(session, exc)
         refs, jobs = {}, []
         for key, request in (("off", base), ("on", replace(base, spectrum=True))):
             twin = self.history.find_twin(request_settings(request), request.spectrum, self.manager.model_name)
@@ -100,26 +108,27 @@ class App:
                 jobs.append(job.id)
         reused = [k for k, ref in refs.items() if "item" in ref]
         note = f"Reusing the finished Spectrum-{' and '.join(reused)} image from history." if reused else ""
-        return {"jobs": jobs, "ab": refs, "last_seed": base.seed}, note, True
+        return self._submitted({"jobs": jobs, "ab": refs, "last_seed": base.seed}, note)
 
     def follow(self, session, fresh):
         if not fresh:
-            yield (gr.skip(),) * 5
+            yield gr.skip()  # every output unchanged
             return
         yield from self.watch(session)
 
     def watch(self, session):
-        """Generator -> (view, status, A/B slider, A/B text, gallery). Abandoning it (disconnect, Stop, reload)
-        leaves the jobs running; a new page calls it again with the same session."""
+        """Generator of updates to the live view, status line, A/B slider and text, and gallery. Abandoning it
+        (disconnect, Stop, reload) leaves the jobs running; a new page calls it again with the same session."""
+        ui = self.ui
         session = session if isinstance(session, dict) else {}
         ids = [i for i in session.get("jobs", []) if isinstance(i, str)]
         if not ids and not session.get("ab"):
-            yield gr.skip(), "Type a prompt and press **Generate**.", gr.skip(), gr.skip(), gr.skip()
+            yield {ui.status: "Type a prompt and press **Generate**."}
             return
         jobs = [self.manager.get(i) for i in ids]
         if any(job is None for job in jobs):
-            yield (gr.skip(), "The job this page followed is gone (the server restarted). Finished images are in "
-                   "**History**.", gr.skip(), gr.skip(), self.gallery())
+            yield {ui.status: "The job this page followed is gone (the server restarted). Finished images are in "
+                              "**History**.", ui.gallery: self.gallery()}
             return
         labels = job_labels(session)
         shown_preview, version = None, -1
@@ -128,29 +137,30 @@ class App:
             if current is None:
                 yield self._final(session, jobs, labels)
                 return
-            view = gr.skip()
+            update = {ui.status: job_status(self.manager, current, labels.get(current.id, ""))}
             if current.preview_path is not None and current.preview_path != shown_preview:
                 shown_preview = current.preview_path
-                view = str(shown_preview)
-            yield view, job_status(self.manager, current, labels.get(current.id, "")), gr.skip(), gr.skip(), gr.skip()
+                update[ui.view] = str(shown_preview)
+            yield update
             version = self.manager.wait_for_change(version, timeout=WATCH_TICK)
 
-    def _final(self, session, jobs, labels):
+    def _final(self, session, jobs, labels) -> dict:
+        ui = self.ui
         last = jobs[-1] if jobs else None
         lines = [job_status(self.manager, j, labels.get(j.id, "")) for j in jobs]
-        view = gr.skip()
+        update = {ui.gallery: self.gallery()}
         if last is not None and last.item is not None:
-            view = str(last.item.png_path)
+            update[ui.view] = str(last.item.png_path)
         elif last is not None and last.preview_path is not None:
-            view = str(last.preview_path)
-        slider, ab_text = gr.skip(), gr.skip()
+            update[ui.view] = str(last.preview_path)
         if session.get("ab"):
-            pair, ab_text = ab_comparison(session, self.manager, self.history)
-            slider = pair if pair is not None else gr.skip()
-            view = pair[1] if pair is not None else view
+            pair, update[ui.ab_text] = ab_comparison(session, self.manager, self.history)
+            if pair is not None:
+                update[ui.ab_slider], update[ui.view] = pair, pair[1]
             if not jobs:
                 lines = ["✅ **A/B** both images were already in history"]
-        return view, "\n\n".join(lines), slider, ab_text, self.gallery()
+        update[ui.status] = "\n\n".join(lines)
+        return update
 
     def cancel(self, session):
         session = session if isinstance(session, dict) else {}
@@ -164,13 +174,16 @@ class App:
     def gallery(self):
         return [(str(item.png_path), item.caption) for item in self.history.items()[:GALLERY_SIZE]]
 
-    def _form_values(self, settings: dict, note: str):
+    def _form_values(self, settings: dict, note: str) -> dict:
+        ui = self.ui
+        update = {ui.prompt: settings["prompt"], ui.negative: settings["negative"], ui.seed: str(settings["seed"]),
+                  ui.cfg: settings["cfg"], ui.steps: settings["steps"], ui.spectrum: settings["spectrum"]}
         size = f"{settings['width']}x{settings['height']}"
         if self.strict_sizes and size not in self.sizes:
             note += f" ⚠️ {size} has no graphs on this backend; choose another size."
-            size = gr.skip()
-        return (settings["prompt"], settings["negative"], str(settings["seed"]), settings["cfg"], settings["steps"],
-                size, settings["spectrum"], note)
+        else:
+            update[ui.size] = size
+        return update | {ui.message: note}
 
     def restore_selected(self, evt: gr.SelectData):
         """Gallery click: the served file keeps the history item's name."""
@@ -178,16 +191,16 @@ class App:
         path = (value.get("image") or {}).get("path") if isinstance(value, dict) else None
         item = self.history.get(Path(path).stem) if path else None
         if item is None:
-            return (*(gr.skip(),) * 7, "⚠️ That image is no longer in history.")
+            return {self.ui.message: "⚠️ That image is no longer in history."}
         return self._form_values(item.settings, f"Restored the settings of {item.png_path.name}.")
 
     def restore_png(self, path):
         if not path:
-            return (*(gr.skip(),) * 7, "")
+            return {self.ui.message: ""}
         try:
             settings = settings_from_png(path)
         except UserError as exc:
-            return (*(gr.skip(),) * 7, f"⚠️ {exc}")
+            return {self.ui.message: f"⚠️ {exc}"}
         return self._form_values(settings, f"Restored the settings of {Path(path).name}.")
 
     def restore_session_form(self, session):
@@ -196,7 +209,7 @@ class App:
         ids = session.get("jobs", []) if isinstance(session, dict) else []
         job = self.manager.get(ids[-1]) if ids else None
         if job is None:
-            return (*(gr.skip(),) * 7, "")
+            return {self.ui.message: ""}
         return self._form_values(request_settings(job.request), "")
 
     def reuse_seed(self, session):
@@ -204,20 +217,22 @@ class App:
         return str(seed) if seed is not None else gr.skip()
 
     def apply_preset(self, name):
+        ui = self.ui
         try:
             values = form.load_preset(self.config.presets_dir, name)
         except UserError as exc:
-            return (*(gr.skip(),) * 6, f"⚠️ {exc}")
-        outputs = [values.get(k, gr.skip()) for k in ("prompt", "negative", "cfg", "steps", "size", "spectrum")]
-        return (*outputs, f"Preset **{name}** applied.")
+            return {ui.message: f"⚠️ {exc}"}
+        fields = {key: getattr(ui, key) for key in form.PRESET_KEYS}
+        return {fields[key]: value for key, value in values.items()} | {ui.message: f"Preset **{name}** applied."}
 
     def save_preset(self, name, prompt, negative, cfg, steps, size, spectrum):
         try:
             stem = form.save_preset(self.config.presets_dir, name, {
                 "prompt": prompt, "negative": negative, "cfg": cfg, "steps": steps, "size": size, "spectrum": spectrum})
         except UserError as exc:
-            return gr.skip(), f"⚠️ {exc}"
-        return gr.update(choices=form.list_presets(self.config.presets_dir), value=stem), f"Saved preset **{stem}**."
+            return {self.ui.message: f"⚠️ {exc}"}
+        return {self.ui.preset: gr.update(choices=form.list_presets(self.config.presets_dir), value=stem),
+                self.ui.message: f"Saved preset **{stem}**."}
 
     def download_models(self):
         """Fetch the missing official files, then prepare them for the backend (export, RKNN conversion)."""
@@ -244,14 +259,16 @@ class App:
 
     def big_screen(self, tick: int):
         """The running job's live preview, else the recent results one after another."""
+        ui = self.ui
         running = self.manager.running()
         if running is not None and running.preview_path is not None:
-            return str(running.preview_path), job_status(self.manager, running), tick
+            return {ui.big_view: str(running.preview_path), ui.big_caption: job_status(self.manager, running)}
         items = self.history.items()[:12]
         if not items:
-            return gr.skip(), "Waiting for the first picture…", tick
+            return {ui.big_caption: "Waiting for the first picture…"}
         item = items[tick % len(items)]
-        return str(item.png_path), f"{item.settings['prompt'][:120]} · {item.caption}", tick + 1
+        return {ui.big_view: str(item.png_path), ui.big_caption: f"{item.settings['prompt'][:120]} · {item.caption}",
+                ui.tick: tick + 1}
 
     # -- layout -----------------------------------------------------------------------------------------------------
     def _build(self) -> gr.Blocks:
@@ -364,6 +381,12 @@ class App:
             gr.HTML(system.qr_html(url))
             gr.Timer(3.0).tick(self.big_screen, tick, [big_view, big_caption, tick], show_progress="hidden",
                                api_visibility="private")
+        # The components the handlers return updates for, by name.
+        self.ui = SimpleNamespace(
+            session=session, fresh=fresh, message=message, view=view, status=status, ab_slider=ab_slider,
+            ab_text=ab_text, gallery=gallery, prompt=prompt, negative=negative, seed=seed, cfg=cfg, steps=steps,
+            size=size, spectrum=spectrum, preset=preset, big_view=big_view, big_caption=big_caption, tick=tick,
+        )
         return demo
 
     # -- launching --------------------------------------------------------------------------------------------------
