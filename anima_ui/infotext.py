@@ -1,8 +1,8 @@
 """The AUTOMATIC1111 `parameters` text ("infotext") that goes into every saved PNG.
 
 Format and parser follow AUTOMATIC1111/stable-diffusion-webui `modules/processing.py create_infotext()` and
-`modules/infotext_utils.py parse_generation_parameters()` (see docs in /work/shared/reference/gradio_ui.md §3.3),
-so A1111, Forge, SD.Next and civitai-style readers load our images, and we load theirs.
+`modules/infotext_utils.py parse_generation_parameters()`, so A1111, Forge, SD.Next and civitai-style readers load
+our images, and we load theirs.
 """
 
 import json

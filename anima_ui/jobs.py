@@ -1,9 +1,10 @@
 """The job engine: one worker thread owns the pipeline (the NPU) and runs jobs one at a time, in submission order.
 
 Gradio events never run a generation themselves. They submit a job, watch it and cancel it by id, so a phone that
-drops its connection only loses a watcher: the job goes on and a reloaded page re-attaches by the id it kept
-(Gradio 6.31 kills a generator event on disconnect, and its Stop frees the concurrency slot before the running step
-returns; see /work/shared/reference/gradio_ui.md §0, §1.5, §1.6).
+drops its connection only loses a watcher: the job goes on and a reloaded page re-attaches by the id it kept.
+(Measured with Gradio 6.31: a disconnect closes a generator event at its next yield, and Stop frees the event's
+concurrency slot while the running step is still running, so a generation that lived inside an event would die
+with the phone's connection, and a second one could start beside it.)
 """
 
 import logging

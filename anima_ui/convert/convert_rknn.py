@@ -1,7 +1,8 @@
 """`anima-ui convert-rknn`: exported ONNX graphs -> FP16 .rknn graphs for the RK3588, each verified on
 the toolkit's simulator against onnxruntime right after its build.
 
-rknn-toolkit2 cannot live in the main environment (rknn.md §1.1), so the conversion runs as a
+rknn-toolkit2 2.5.0 cannot live in the main environment (it pins numpy <= 1.26.4, onnx <= 1.18 and
+protobuf <= 4.25.4, and imports torch <= 2.4 at import time), so the conversion runs as a
 subprocess: `.venv-rknn/bin/python anima_ui/convert/rknn_worker.py` (scripts/make_rknn_venv.sh makes
 the venv). The output folder appears whole or not at all.
 

@@ -2,7 +2,7 @@
 `anima-ui convert-rknn`; it imports nothing from anima_ui, whose environment it cannot share.
 
 For every graph of an exported ONNX folder: build an FP16 .rknn for the target, then, in the same RKNN
-session (the simulator cannot run a model loaded from a .rknn file, rknn.md §1.2), run it on the
+session (the simulator cannot run a model loaded from a .rknn file), run it on the
 toolkit's simulator and compare with onnxruntime on the same random inputs. Writes the .rknn files and
 manifest.json into --out and prints one JSON line per graph on stdout."""
 

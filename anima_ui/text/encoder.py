@@ -1,5 +1,6 @@
 """Prompt -> DiT cross-attention context: tokenize (ComfyUI rules), Qwen3 final hidden states on the CPU,
-the LLM adapter over the T5 ids, per-token weights, zero padding to 512 (anima_model.md §5-§6)."""
+the LLM adapter over the T5 ids, per-token weights, zero padding to 512 (as ComfyUI's `comfy/text_encoders/anima.py`
+and `comfy/ldm/anima/model.py`)."""
 
 from collections import OrderedDict
 

@@ -9,7 +9,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from anima_ui.errors import UserError
 
-# Not recoverable from shapes; fixed for Qwen3 (anima_model.md §6.1).
+# Not recoverable from shapes; fixed for Qwen3 (ComfyUI's Qwen3_06BConfig in comfy/text_encoders/llama.py).
 ROPE_THETA = 1_000_000.0
 RMS_NORM_EPS = 1e-6
 MAX_POSITIONS = 32768
@@ -93,7 +93,8 @@ def _strip(key: str) -> str | None:
 
 
 def final_hidden_states(model: Qwen3Model, ids: list[int]) -> np.ndarray:
-    """The last layer's output after the final RMSNorm (anima_model.md §6.2): float32 [1, len(ids), hidden].
+    """The last layer's output after the final RMSNorm (what ComfyUI, diffusers and the training code all use):
+    float32 [1, len(ids), hidden].
     No attention mask: a single unpadded sequence under the causal mask, as ComfyUI computes it."""
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False)

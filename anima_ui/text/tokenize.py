@@ -1,4 +1,4 @@
-"""Prompt -> Qwen ids and T5 ids, with ComfyUI's exact rules (anima_model.md §6.3):
+"""Prompt -> Qwen ids and T5 ids, with ComfyUI's exact rules (`comfy/text_encoders/anima.py`, `comfy/sd1_clip.py`):
 
 - Qwen: plain byte-level BPE of the text, no BOS/EOS, no template; an empty prompt becomes
   `[<|endoftext|>]` (151643 in the release tokenizer). Qwen weights are always 1.

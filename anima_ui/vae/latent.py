@@ -7,7 +7,8 @@ from anima_ui.errors import UserError
 Z_DIM = 16
 SCALE = 8  # pixels per latent pixel
 
-# Wan-2.1 latent normalisation (spec §8.2): model space = (raw - mean) / std
+# Wan-2.1 latent normalisation (ComfyUI comfy/latent_formats.py Wan21; diffusers' AutoencoderKLQwenImage defaults):
+# model space = (raw - mean) / std
 LATENTS_MEAN = np.array([-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
                          0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921], np.float32)
 LATENTS_STD = np.array([2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,

@@ -1,8 +1,8 @@
 """Cheap step previews: the per-pixel latent -> RGB projection, or the taew2_1 tiny decoder when its
 file is in the model folder.
 
-Projection choice: ComfyUI's `Wan21.latent_rgb_factors` (spec §8.3), not sd.cpp's
-`wan_21_latent_rgb_proj` (spectrum_and_sdcpp.md §3.2). Both map the same normalised (model-space)
+Projection choice: ComfyUI's `Wan21.latent_rgb_factors` (comfy/latent_formats.py), not sd.cpp's
+`wan_21_latent_rgb_proj` (src/runtime/latent-preview.h). Both map the same normalised (model-space)
 latent with the same (rgb + 1) / 2 convention, and neither can be checked here: with no real VAE
 weights a PSNR against a decode is meaningless. ComfyUI is Anima's reference implementation
 (co-released with Comfy Org, which ships these factors for every Wan-2.1-latent model including

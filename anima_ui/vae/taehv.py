@@ -1,6 +1,6 @@
 """madebyollin's taew2_1 (TAEHV) tiny decoder as a sharper step preview, for one latent frame.
 
-It takes the MODEL-space latent (TAEHV "decodes exactly what diffusion models use", spec §8.3). The
+It takes the MODEL-space latent (TAEHV "decodes exactly what diffusion models use", madebyollin/taehv README). The
 reference decodes one latent frame into 4 frames (two stride-2 TGrow layers) and trims the first 3;
 here only what the kept last frame depends on is computed: both frames of the middle stage (the
 second one's MemBlocks read the first as memory), then only the last TGrow slice of the second.
@@ -28,7 +28,7 @@ def _memblock_shapes(index: int, c: int) -> dict[str, tuple]:
 
 
 def taehv_decoder_shapes() -> dict[str, tuple]:
-    """The taew2_1 decoder tensors (Appendix B), without the `decoder.` prefix."""
+    """The taew2_1 decoder tensors (as madebyollin/taehv's taehv.py names them), without the `decoder.` prefix."""
     shapes = {"1.weight": (N_F[0], Z_DIM, 3, 3), "1.bias": (N_F[0],)}
     for level, indices in enumerate(MEMBLOCKS):
         for index in indices:

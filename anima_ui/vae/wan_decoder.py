@@ -2,7 +2,7 @@
 
 For a single frame every causal 3x3x3 conv sees two zero frames before the real one, so it equals a
 2-D 3x3 conv with the last temporal tap `weight[:, :, 2]`; `time_conv` (temporal upsampling) is never
-used (spec §8.1). Keys are the official Wan names (`decoder.*`, `conv2.*`); all widths follow from
+used (ComfyUI comfy/ldm/wan/vae.py). Keys are the official Wan names (`decoder.*`, `conv2.*`); all widths follow from
 `base_dim` (96 in the release), which the loader reads from the tensor shapes.
 
 Optional tiling reproduces stable-diffusion.cpp's `sd_tiling_calc_tiles` / `process_tiles_2d` /
