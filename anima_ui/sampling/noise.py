@@ -21,7 +21,7 @@ def initial_noise(seed: int, height: int, width: int) -> np.ndarray:
     for name, side in (("height", height), ("width", width)):
         if isinstance(side, bool) or not isinstance(side, (int, np.integer)) or side <= 0 or side % VAE_STRIDE:
             raise UserError(f"{name} must be a positive multiple of {VAE_STRIDE} pixels, got {side!r}")
-    import torch
+    import torch  # here, not at the top: the rest of sampling (and anima-ui spectrum-plan) runs without torch
 
     generator = torch.Generator("cpu").manual_seed(int(seed))
     noise = torch.randn((1, LATENT_CHANNELS, 1, height // VAE_STRIDE, width // VAE_STRIDE), generator=generator)
