@@ -11,11 +11,6 @@ from anima_ui.cli import main
 from anima_ui.sampling.spectrum import plan
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model):
-    return tiny_model
-
-
 def run_cli(argv) -> int:
     """The exit code, whether main returned it or argparse exited with it."""
     try:
@@ -24,8 +19,8 @@ def run_cli(argv) -> int:
         return exc.code
 
 
-def generate(tiny, tmp_path, *extra):
-    argv = ["generate", "--models", str(tiny), "--prompt", "a lighthouse at dusk", "--seed", "3", "--steps", "3",
+def generate(tiny_model, tmp_path, *extra):
+    argv = ["generate", "--models", str(tiny_model), "--prompt", "a lighthouse at dusk", "--seed", "3", "--steps", "3",
             "--width", "64", "--height", "96", "--out", str(tmp_path / "out.png"), *extra]
     return run_cli(argv)
 
@@ -34,8 +29,8 @@ def last_json(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_generate_writes_png_latent_and_summary(tiny, tmp_path, capsys):
-    assert generate(tiny, tmp_path, "--save-latent", str(tmp_path / "z.npy")) == 0
+def test_generate_writes_png_latent_and_summary(tiny_model, tmp_path, capsys):
+    assert generate(tiny_model, tmp_path, "--save-latent", str(tmp_path / "z.npy")) == 0
     summary = last_json(capsys)
     assert (summary["width"], summary["height"], summary["steps"]) == (64, 96, 3)
     assert summary["model_evals"] == 3 and summary["transformer_passes"] == 6  # CFG: cond + uncond per eval
@@ -49,18 +44,18 @@ def test_generate_writes_png_latent_and_summary(tiny, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.png", "z.npy"]  # no temp files left
 
 
-def test_same_seed_same_latent_other_seed_differs(tiny, tmp_path, capsys):
+def test_same_seed_same_latent_other_seed_differs(tiny_model, tmp_path, capsys):
     latents = []
     for seed in ("3", "3", "4"):
         path = tmp_path / f"z{len(latents)}.npy"
-        assert generate(tiny, tmp_path, "--seed", seed, "--save-latent", str(path)) == 0
+        assert generate(tiny_model, tmp_path, "--seed", seed, "--save-latent", str(path)) == 0
         latents.append(np.load(path))
     np.testing.assert_array_equal(latents[0], latents[1])
     assert np.abs(latents[0] - latents[2]).max() > 1e-3
 
 
-def test_spectrum_runs_exactly_the_planned_model_evaluations(tiny, tmp_path, capsys):
-    assert generate(tiny, tmp_path, "--steps", "8", "--spectrum") == 0
+def test_spectrum_runs_exactly_the_planned_model_evaluations(tiny_model, tmp_path, capsys):
+    assert generate(tiny_model, tmp_path, "--steps", "8", "--spectrum") == 0
     summary = last_json(capsys)
     computed, forecast = plan(8)
     assert summary["model_evals"] == len(computed) < 8
@@ -79,24 +74,24 @@ def test_spectrum_runs_exactly_the_planned_model_evaluations(tiny, tmp_path, cap
         (["--out", "/nonexistent-dir/out.png"], "folder"),
     ],
 )
-def test_bad_input_is_one_line_error(tiny, tmp_path, capsys, flags, names):
-    rc = generate(tiny, tmp_path, *flags)
+def test_bad_input_is_one_line_error(tiny_model, tmp_path, capsys, flags, names):
+    rc = generate(tiny_model, tmp_path, *flags)
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert len(err.splitlines()) == 1 and err.startswith("error:") and names in err
     assert not (tmp_path / "out.png").exists()
 
 
-def test_missing_and_truncated_model_files(tiny, tmp_path, capsys):
-    broken = shutil.copytree(tiny, tmp_path / "broken")
+def test_missing_and_truncated_model_files(tiny_model, tmp_path, capsys):
+    broken = shutil.copytree(tiny_model, tmp_path / "broken")
     vae = broken / "vae" / "qwen_image_vae.safetensors"
     vae.unlink()
     assert generate(broken, tmp_path) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "qwen_image_vae" in err
 
-    dit = next((tiny / "diffusion_models").glob("*.safetensors"))
-    truncated = shutil.copytree(tiny, tmp_path / "truncated")
+    dit = next((tiny_model / "diffusion_models").glob("*.safetensors"))
+    truncated = shutil.copytree(tiny_model, tmp_path / "truncated")
     target = truncated / "diffusion_models" / dit.name
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
     assert generate(truncated, tmp_path) == 2
@@ -104,10 +99,10 @@ def test_missing_and_truncated_model_files(tiny, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and dit.name in err
 
 
-def test_unreadable_prompt_file(tiny, tmp_path, capsys):
+def test_unreadable_prompt_file(tiny_model, tmp_path, capsys):
     bad = tmp_path / "prompt.txt"
     bad.write_bytes(b"\xff\xfe\xfa not utf-8")
-    argv = ["generate", "--models", str(tiny), "--prompt-file", str(bad), "--out", str(tmp_path / "o.png")]
+    argv = ["generate", "--models", str(tiny_model), "--prompt-file", str(bad), "--out", str(tmp_path / "o.png")]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "prompt.txt" in err
@@ -116,8 +111,8 @@ def test_unreadable_prompt_file(tiny, tmp_path, capsys):
 
 
 
-def test_a_size_without_graphs_is_exported_as_its_own_phase(tiny, tmp_path, capsys):
-    models = shutil.copytree(tiny, tmp_path / "models")
+def test_a_size_without_graphs_is_exported_as_its_own_phase(tiny_model, tmp_path, capsys):
+    models = shutil.copytree(tiny_model, tmp_path / "models")
     assert generate(models, tmp_path, "--backend", "onnx", "--steps", "2") == 0
     out, err = capsys.readouterr()
     assert [line for line in err.splitlines() if line.startswith("[")] == ["[export]", "[text]", "[denoise]", "[decode]"]
@@ -128,8 +123,8 @@ def test_a_size_without_graphs_is_exported_as_its_own_phase(tiny, tmp_path, caps
     assert phases == ["[text]", "[denoise]", "[decode]"]  # exported once, then reused
 
 
-def test_rknn_without_converted_graphs_names_the_commands(tiny, tmp_path, capsys):
-    assert generate(tiny, tmp_path, "--backend", "rknn") == 2
+def test_rknn_without_converted_graphs_names_the_commands(tiny_model, tmp_path, capsys):
+    assert generate(tiny_model, tmp_path, "--backend", "rknn") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "anima-ui export" in err and "anima-ui convert-rknn" in err
-    assert not (tiny / "rknn").exists() and not (tiny / "exported").exists()
+    assert not (tiny_model / "rknn").exists() and not (tiny_model / "exported").exists()
