@@ -48,7 +48,9 @@ def generate_and_watch(client, **kwargs):
 
 
 def test_generate_streams_previews_then_the_png_with_parameters(client, served):
-    occupy_worker(served[0].manager)  # we watch before our first step, however loaded the machine is
+    # Our job waits behind a 20-step one, so we watch before its first step however loaded the machine is (behind a
+    # 6-step blocker, a loaded machine once let both jobs finish before /watch was called).
+    occupy_worker(served[0].manager, steps=20)
     session, outputs, final = generate_and_watch(client, prompt="a red fox", seed="4242", steps=4)
     statuses = [o[1] for o in outputs]
     # The watcher shows the latest state when it wakes, so fast steps may be merged: some step must show.
