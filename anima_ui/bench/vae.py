@@ -9,7 +9,6 @@ with random weights it says nothing about image quality.
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import numpy as np
 import psutil
 
 from anima_ui.metrics import psnr
+from anima_ui.runtime.memory import process_memory
 
 # Every decoder row runs this module in a process of its own, and that process's peak RSS is what the table
 # reports: torch, the decoders and the fixtures that write their weights are imported inside the functions that use
@@ -138,9 +138,10 @@ def _worker(job: dict) -> None:
         image = decode(latent)
     decoded = time.perf_counter()
     np.save(job["image"], image)
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    # VmHWM, not getrusage's ru_maxrss: that survives exec, so every row would report the parent's peak
+    peak_gb = process_memory()["peak_rss"] / 2**30
     print(json.dumps({"load_s": round(loaded - start, 2), "decode_s": round(decoded - loaded, 2),
-                      "peak_rss_gb": round(peak_kb / 2**20, 2), "weights": weight_type}))
+                      "peak_rss_gb": round(peak_gb, 2), "weights": weight_type}))
 
 
 def _diffusers_decoder(vae_path):
