@@ -8,6 +8,7 @@ from pathlib import Path
 from anima_ui.errors import UserError
 from anima_ui.history import write_atomically
 from anima_ui.request import GenerationRequest
+from anima_ui.runtime.graphs import graphs_ready
 
 # The model card's recommended ~1 MP sizes, plus smaller ones that are quicker on the board.
 STANDARD_SIZES = ("1024x1024", "896x1152", "1152x896", "832x1216", "1216x832", "768x768", "512x512")
@@ -30,7 +31,7 @@ def size_choices(backend: str, paths, demo: bool) -> list[str]:
 def _graph_sizes(folder: Path) -> list[str]:
     if not folder.is_dir():
         return []
-    sizes = [p.name for p in folder.iterdir() if SIZE_RE.match(p.name) and (p / "manifest.json").exists()]
+    sizes = [p.name for p in folder.iterdir() if SIZE_RE.match(p.name) and graphs_ready(p)]
     return sorted(sizes, key=lambda s: [int(n) for n in SIZE_RE.match(s).groups()], reverse=True)
 
 
