@@ -33,6 +33,7 @@ from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
 from anima_ui.model.forward import TorchBranches, dit_forward, prepare_kv, prepare_rope
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime import board_latency, open_runtime
+from anima_ui.runtime.graphs import graphs_ready
 from anima_ui.runtime.host_weights import load_host_weights
 from anima_ui.runtime.manifest import Manifest, TensorSpec
 from anima_ui.runtime.memory import GIB, MIB, process_memory, read_meminfo, swap_used
@@ -158,7 +159,7 @@ def machine_table(args) -> None:
     try:
         models = Path(args.models) if args.models else _random_full_model(work)
         graphs = work / f"onnx-{args.width}x{args.height}"
-        if not (graphs / "manifest.json").is_file():  # an export kept in --work is reused
+        if not graphs_ready(graphs):  # an export kept in --work is reused
             started = time.perf_counter()
             subprocess.run([sys.executable, "-m", "anima_ui", "export", "--models", str(models), "--width", str(args.width),
                             "--height", str(args.height), "--out", str(graphs)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
