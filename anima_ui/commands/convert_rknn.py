@@ -3,6 +3,8 @@
 import sys
 import time
 
+from anima_ui.convert.convert_rknn import convert_rknn
+
 
 def add_arguments(parser):
     parser.add_argument("--onnx", required=True, help="an `anima-ui export` folder (fp32 graphs recommended)")
@@ -11,8 +13,6 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from anima_ui.convert.convert_rknn import convert_rknn
-
     started = time.perf_counter()
     progress = lambda line: print(line, file=sys.stderr, flush=True)
     manifest = convert_rknn(args.onnx, args.out, args.target, progress=progress)
