@@ -19,10 +19,10 @@ from anima_ui import modelfiles
 from anima_ui.errors import UserError
 from anima_ui.runtime import board
 from anima_ui.runtime.backends import RknnLiteBackend
+from anima_ui.runtime.graphs import ready_graph_folders
 from anima_ui.runtime.manifest import MANIFEST, Manifest, sha256_file
-from anima_ui.runtime.memory import read_meminfo
+from anima_ui.runtime.memory import GIB, read_meminfo, swap_used
 
-GIB = 1 << 30
 MIN_COSINE = 0.9999  # the FP16 gate of `anima-ui verify` and of the conversion's simulator check
 APP_NEEDS_GIB = 3.0  # what one generation at 512x512 holds on the board's host
 LITE2_PYTHONS = ((3, 7), (3, 12))  # rknn-toolkit-lite2 2.5.0 publishes wheels for these
@@ -56,7 +56,7 @@ def collect(models_dir, width: int | None = None, height: int | None = None, qui
     rows.append(_lite2_row(lite2, is_arm))
     rows.append(_library_row(library, is_arm))
     models = Path(models_dir)
-    graphs = _graph_folders(models, "rknn")
+    graphs = ready_graph_folders(models, "rknn")
     rows.append(_toolkit_row(graphs, library))
     rows += _memory_rows(root)
     rows += _model_rows(models)
@@ -181,10 +181,9 @@ def _memory_rows(root: Path) -> list[Row]:
     status = "ok" if available >= APP_NEEDS_GIB else "warn"
     rows = [Row("memory", status, f"MemTotal {total:.2f} GiB, MemAvailable {available:.2f} GiB",
                 None if status == "ok" else f"a 512x512 generation holds about {APP_NEEDS_GIB:g} GiB: stop other programs first")]
-    swap_total, swap_free = info.get("SwapTotal", 0), info.get("SwapFree", 0)
+    swap_total = info.get("SwapTotal", 0)
     devices = _swap_devices(root)
-    used = (swap_total - swap_free) / GIB
-    value = f"{swap_total / GIB:.2f} GiB, {used:.2f} GiB used" + (f" ({'; '.join(devices)})" if devices else "")
+    value = f"{swap_total / GIB:.2f} GiB, {swap_used(info) / GIB:.2f} GiB used" + (f" ({'; '.join(devices)})" if devices else "")
     rows.append(Row("swap / zram", "ok", value if swap_total else "none"))
     return rows
 
@@ -230,11 +229,6 @@ def _model_rows(models: Path) -> list[Row]:
     return [Row("model files", "ok", ", ".join(found) + ", tokenizers")]
 
 
-def _graph_folders(models: Path, kind: str) -> list[Path]:
-    folder = models / kind
-    return sorted(p for p in folder.iterdir() if (p / MANIFEST).is_file()) if folder.is_dir() else []
-
-
 def _hash_rows(models: Path, progress) -> list[Row]:
     """What the manifests record against the files: the checkpoint an export came from, every graph, and the ONNX
     manifest a conversion came from."""
@@ -250,7 +244,7 @@ def _hash_rows(models: Path, progress) -> list[Row]:
 
     dits = sorted((models / modelfiles.DIT_DIR).glob("*.safetensors"))
     for kind in ("exported", "rknn"):
-        for folder in _graph_folders(models, kind):
+        for folder in ready_graph_folders(models, kind):
             try:
                 manifest = Manifest.read(folder)
             except UserError as exc:

@@ -13,7 +13,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from anima_ui.convert import convert_rknn
 from anima_ui.errors import UserError
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime.graphs import graphs_ready
@@ -115,6 +114,9 @@ def prepare(models_dir, backend: str, width: int = 512, height: int = 512):
     """Generator: progress lines while the downloaded model is made ready for `backend`: the ONNX export for
     onnx/sim, and for rknn also the RKNN conversion where this machine has the toolkit (an x86-64 PC with
     .venv-rknn); the board itself cannot convert, so there the lines say where to do it."""
+    # convert_rknn imports the ONNX exporter, which needs torch (optional: the board installs none)
+    from anima_ui.convert import convert_rknn
+
     if backend == "torch":
         return
     paths = ModelPaths.find(models_dir)

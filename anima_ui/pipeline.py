@@ -16,23 +16,23 @@ from typing import Iterator
 
 import numpy as np
 
-from anima_ui.convert.model_graphs import export_model_graphs
 from anima_ui.errors import Cancelled, UserError
 from anima_ui.model.checkpoint import load_dit, split_adapter
-from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.request import GenerationRequest
 from anima_ui.runtime import BACKENDS, open_runtime
 from anima_ui.runtime.graphs import graphs_dir, graphs_ready
 from anima_ui.runtime.host_weights import load_host_weights
-from anima_ui.runtime.torch_runtime import TorchRuntime
 from anima_ui.sampling.cfg import cfg_combine
 from anima_ui.sampling.euler import StepInfo, euler_steps
 from anima_ui.sampling.noise import initial_noise
 from anima_ui.sampling.schedule import simple_sigmas
 from anima_ui.sampling.spectrum import Spectrum
-from anima_ui.text.encoder import TextEncoder
 from anima_ui.vae.decode import DECODERS, decode_latent
+
+# torch is optional (requirements-dev.txt; the board installs none), and four modules still import it at their top:
+# the forward (for its torch reference), the text encoder, the torch backend and the ONNX exporter. They are
+# imported where they are used, so the app starts and reports a missing torch as a failed job instead of not starting.
 
 
 @dataclass
@@ -92,17 +92,23 @@ class Pipeline:
         # Graph backends hold the branch weights in their graphs: the host keeps only its own tensors
         # (1.2 GB instead of 8.4 GB in fp32 at full size), which is what fits next to the NPU on an 8 GB board.
         config, state = load_dit(paths.dit) if backend == "torch" else load_host_weights(paths.dit)
+        from anima_ui.text.encoder import TextEncoder  # torch: see the note at the top
+
         text_encoder = TextEncoder.load(paths, split_adapter(state))
         return cls(paths, config, state, text_encoder, backend, runtime_options, decoder)
 
     # -- one generation ---------------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
+        from anima_ui.model.forward import prepare_kv, prepare_rope  # torch: see the note at the top
+
         cancel = cancel or threading.Event()
         started = time.perf_counter()
         seconds = {}
 
         graphs = graphs_dir(self.paths, self.backend, request.width, request.height)
         if graphs is not None and not graphs_ready(graphs):
+            from anima_ui.convert.model_graphs import export_model_graphs  # torch: see the note at the top
+
             yield PhaseEvent("export")
             t0 = time.perf_counter()
             export_model_graphs(self.paths, request.width, request.height, graphs)
@@ -154,11 +160,15 @@ class Pipeline:
     def open_runtime(self, graphs, cancel: threading.Event):
         """The branch runtime of one generation: run_branch for dit_forward, closed when the generation ends."""
         if self.backend == "torch":
+            from anima_ui.runtime.torch_runtime import TorchRuntime  # torch: see the note at the top
+
             return TorchRuntime(self.weights, self.config, cancel)
         return open_runtime(self.backend, graphs, cancel=cancel, **self.runtime_options)
 
     def _denoise(self, request, kv, rope, graphs, cancel):
         """Generator: yields StepEvents, returns (final latent, the steps' records)."""
+        from anima_ui.model.forward import dit_forward  # torch: see the note at the top
+
         batch = 2 if request.uses_uncond else 1
         sigmas = simple_sigmas(request.steps)
         x = initial_noise(request.seed, request.height, request.width)

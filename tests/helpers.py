@@ -1,15 +1,29 @@
 """Helpers shared by the test modules (a test module never imports another): the job engine and the served app on
 the tiny model, and a recorder that watches a pipeline's branch runtimes from outside."""
 
+import shutil
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from anima_ui.jobs import FINISHED
 from anima_ui.request import GenerationRequest
 from anima_ui.ui.app import App, AppConfig
+
+# The start of a `python -c` script that runs as on the board: `import torch` fails.
+WITHOUT_TORCH = """
+import sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test: the board has none")
+
+sys.meta_path.insert(0, NoTorch())
+"""
 
 # Gradio 6.31's queue analytics call pandas APIs that pandas 3 deprecates; not ours to fix.
 GRADIO_PANDAS_NOISE = [pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting'"),
@@ -104,3 +118,20 @@ class _RecordedRuntime:
 
     def __getattr__(self, name):  # timings, open_contexts, gate_status: the real runtime's
         return getattr(self._runtime, name)
+
+
+def make_library(folder: Path, version: str) -> Path:
+    """A loadable stand-in for librknnrt.so that carries its version string: a copy of libm with
+    "librknnrt version: <version>" appended (the loader ignores trailing bytes)."""
+    library = folder / f"librknnrt-{version}.so"
+    shutil.copyfile(_libm(), library)
+    with open(library, "ab") as f:
+        f.write(f"\0librknnrt version: {version} (0000000000@stand-in)\0".encode())
+    return library
+
+
+def _libm() -> str:
+    for folder in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu", "/usr/lib64", "/lib64"):
+        if Path(folder, "libm.so.6").is_file():
+            return str(Path(folder, "libm.so.6"))
+    pytest.skip("no libm.so.6 to stand in for librknnrt.so")

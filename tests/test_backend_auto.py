@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from anima_ui.commands.random_model import write_random_model
 from anima_ui.runtime import auto
 from anima_ui.runtime.manifest import MANIFEST
+from helpers import make_library
 
 GIB = 1 << 30
 FULL = auto.OFFICIAL_PARAMETERS
@@ -43,8 +43,8 @@ def test_torch_needs_13_gib_for_the_official_release():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_random_model(tmp_path_factory.mktemp("auto") / "tiny", "tiny", 0)
+def tiny(tiny_model, tmp_path_factory):
+    return shutil.copytree(tiny_model, tmp_path_factory.mktemp("auto") / "tiny")  # generate may export into it
 
 
 def test_facts_of_this_machine(tiny, tmp_path):
@@ -57,8 +57,6 @@ def test_facts_of_this_machine(tiny, tmp_path):
 
 
 def test_rknn_is_chosen_with_the_runtime_and_converted_graphs(rknnlite_standin, tiny, tmp_path):
-    from test_doctor import make_library  # a loadable library that carries its version string
-
     models = tmp_path / "models"
     shutil.copytree(tiny, models)
     (models / "rknn" / "64x64").mkdir(parents=True)

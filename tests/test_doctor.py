@@ -15,21 +15,13 @@ import pytest
 
 from anima_ui.checkup import collect, verdict
 from anima_ui.cli import build_parser
-from anima_ui.commands.random_model import write_random_model
 from anima_ui.runtime import board
 from anima_ui.runtime.manifest import MANIFEST, GraphEntry, Manifest, sha256_file
+from helpers import WITHOUT_TORCH, make_library
 
 REPO = Path(__file__).resolve().parents[1]
 # Runs the CLI in a process where `import torch` fails, as on the board.
-WITHOUT_TORCH = """
-import sys
-
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in this test: the board has none")
-
-sys.meta_path.insert(0, NoTorch())
+CLI_WITHOUT_TORCH = WITHOUT_TORCH + """
 from anima_ui.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -42,7 +34,7 @@ SwapFree:        3932156 kB
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    return subprocess.run([sys.executable, "-c", CLI_WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
 
 
 def rows_by_check(report):
@@ -64,9 +56,9 @@ def assert_commands_exist(text: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_board_models(tmp_path_factory):
+def tiny_board_models(tiny_model, tmp_path_factory):
     """The tiny model with exported 64x64 ONNX graphs and their .rknn copies under models/rknn/64x64."""
-    models = write_random_model(tmp_path_factory.mktemp("doctor") / "tiny", "tiny", 0)
+    models = shutil.copytree(tiny_model, tmp_path_factory.mktemp("doctor") / "tiny")
     export = subprocess.run([sys.executable, "-m", "anima_ui", "export", "--models", str(models), "--width", "64", "--height", "64"],
                             capture_output=True, text=True, timeout=600)
     assert export.returncode == 0, export.stderr
@@ -102,21 +94,6 @@ def fake_board(tmp_path):
     (root / "proc/meminfo").write_text(BOARD_MEMINFO)
     (root / "proc/swaps").write_text("Filename\tType\tSize\tUsed\tPriority\n/dev/zram0 partition\t3932156\t0\t100\n")
     return root, {"LIBRKNNRT_PATH": str(make_library(tmp_path, "2.5.0"))}
-
-
-def make_library(folder: Path, version: str) -> Path:
-    library = folder / f"librknnrt-{version}.so"
-    shutil.copyfile(_libm(), library)
-    with open(library, "ab") as f:
-        f.write(f"\0librknnrt version: {version} (0000000000@stand-in)\0".encode())
-    return library
-
-
-def _libm() -> str:
-    for folder in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu", "/usr/lib64", "/lib64"):
-        if Path(folder, "libm.so.6").is_file():
-            return str(Path(folder, "libm.so.6"))
-    pytest.skip("no libm.so.6 to stand in for librknnrt.so")
 
 
 def doctor(models, fake_board, **options):

@@ -14,7 +14,7 @@ from PIL import Image
 
 from anima_ui.fixtures.model import demo_model_dir
 from anima_ui.modelfiles import missing_message
-from helpers import GRADIO_PANDAS_NOISE, RecordingRuntimes, free_port, occupy_worker, start_app, wait_idle
+from helpers import GRADIO_PANDAS_NOISE, WITHOUT_TORCH, RecordingRuntimes, free_port, occupy_worker, start_app, wait_idle
 
 pytestmark = GRADIO_PANDAS_NOISE
 PRESETS = Path(__file__).parent.parent / "presets"
@@ -278,3 +278,21 @@ def test_python_app_py_serves_the_page_and_prints_the_url(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_the_app_and_its_commands_import_without_torch():
+    """The board installs no torch (requirements.txt): the app, the job engine and every command must still import,
+    so `serve` starts and a missing torch shows as a failed job, not a dead server."""
+    import subprocess
+    import sys
+
+    script = WITHOUT_TORCH + """
+import importlib
+from anima_ui.cli import COMMANDS
+for module in ["anima_ui.ui.app", "anima_ui.jobs", "anima_ui.pipeline"] + [f"anima_ui.commands.{m}" for m, _ in COMMANDS.values()]:
+    if module != "anima_ui.commands.bench":  # the benchmarks are a PC tool: torch is their requirement
+        importlib.import_module(module)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+

@@ -3,8 +3,6 @@
 import sys
 import time
 
-from anima_ui.convert.convert_rknn import convert_rknn
-
 
 def add_arguments(parser):
     parser.add_argument("--onnx", required=True, help="an `anima-ui export` folder (fp32 graphs recommended)")
@@ -13,6 +11,9 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    # convert_rknn imports the ONNX exporter's folder helper, and the exporter needs torch (optional), `--help` not
+    from anima_ui.convert.convert_rknn import convert_rknn
+
     started = time.perf_counter()
     progress = lambda line: print(line, file=sys.stderr, flush=True)
     manifest = convert_rknn(args.onnx, args.out, args.target, progress=progress)

@@ -3,7 +3,6 @@
 import sys
 from pathlib import Path
 
-from anima_ui.convert.model_graphs import export_model_graphs
 from anima_ui.modelfiles import ModelPaths
 
 
@@ -18,6 +17,8 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from anima_ui.convert.model_graphs import export_model_graphs  # the exporter needs torch (optional), `--help` not
+
     paths = ModelPaths.find(args.models)
     out = Path(args.out) if args.out else paths.exported_dir(args.width, args.height)
     progress = lambda line: print(line, file=sys.stderr, flush=True)

@@ -3,8 +3,6 @@ random weights and locally trained tokenizers, for tests and for trying the app 
 
 import time
 
-from anima_ui.fixtures.model import write_random_model
-
 
 def add_arguments(parser):
     parser.add_argument("--config", choices=("tiny", "full"), default="tiny", help="tiny: test-sized (seconds); full: the real shapes (~5.6 GB)")
@@ -13,6 +11,8 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from anima_ui.fixtures.model import write_random_model  # its VAE shape tables import torch (optional), `--help` not
+
     started = time.perf_counter()
     out = write_random_model(args.out, args.config, args.seed)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())

@@ -4,7 +4,6 @@ import os
 from pathlib import Path
 
 from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
-from anima_ui.fixtures.model import demo_model_dir
 from anima_ui.runtime import BACKENDS
 from anima_ui.runtime.auto import resolve as resolve_backend
 from anima_ui.ui.app import App, AppConfig
@@ -28,6 +27,8 @@ def add_arguments(parser):
 def run(args) -> int:
     models = Path(args.models)
     if args.demo:
+        from anima_ui.fixtures.model import demo_model_dir  # its VAE shape tables import torch (optional)
+
         models = demo_model_dir()
         print(f"demo mode: random-weight tiny model in {models}")
     backend, why = resolve_backend(args.backend, models)

@@ -13,9 +13,7 @@ import sys
 
 import numpy as np
 
-from anima_ui.convert.model_graphs import export_model_graphs
 from anima_ui.model.checkpoint import load_dit
-from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope, reference_forward
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime import open_runtime
 from anima_ui.runtime.graphs import graphs_dir, graphs_ready
@@ -51,6 +49,8 @@ def compare(split: np.ndarray, reference: np.ndarray) -> dict:
 def graphs_for(paths, backend: str, width: int, height: int):
     """The graphs folder the backend runs; missing ONNX graphs are exported first (before the reference weights
     load, so the two never share the memory), missing RKNN ones are an error naming the commands."""
+    from anima_ui.convert.model_graphs import export_model_graphs  # torch (optional): only to export
+
     folder = graphs_dir(paths, backend, width, height)
     if not graphs_ready(folder):
         print(f"exporting the ONNX graphs for {width}x{height} into {folder} ...", file=sys.stderr, flush=True)
@@ -59,6 +59,9 @@ def graphs_for(paths, backend: str, width: int, height: int):
 
 
 def run(args) -> int:
+    # model.forward imports torch (optional: the board installs none) for its reference, so `--help` works without it
+    from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope, reference_forward
+
     paths = ModelPaths.find(args.models)
     graphs = graphs_for(paths, args.backend, args.width, args.height)
     reference_graphs = graphs_for(paths, "onnx", args.width, args.height) if args.reference == "onnx" else None

@@ -11,19 +11,16 @@ The rule (`choose`, a pure function of `Facts`):
 The simulated board (sim) is never chosen: it only imitates the board's timing."""
 
 import importlib.util
-import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from anima_ui import modelfiles
 from anima_ui.runtime import board
-from anima_ui.runtime.manifest import MANIFEST
-from anima_ui.runtime.memory import read_meminfo
+from anima_ui.runtime.graphs import ready_graph_folders
+from anima_ui.runtime.memory import GIB, read_meminfo
 
-GIB = 1 << 30
 TORCH_OVERHEAD = 1.25  # activations, the VAE decode and the Python process on top of the float32 weights
 # parameters of the official release (DiT + Qwen3-0.6B + Qwen-Image VAE), for a model folder not downloaded yet
 OFFICIAL_PARAMETERS = 2_091_068_928 + 596_049_920 + 126_892_531
@@ -77,7 +74,7 @@ def gather(models_dir, width: int | None = None, height: int | None = None, envi
     models = Path(models_dir)
     return Facts(
         rknn_blocker=rknn_blocker(environ),
-        rknn_sizes=tuple(sorted(p.name for p in (models / "rknn").glob("*") if (p / MANIFEST).is_file())),
+        rknn_sizes=tuple(p.name for p in ready_graph_folders(models, "rknn")),
         size=f"{width}x{height}" if width and height else None,
         torch=importlib.util.find_spec("torch") is not None,
         parameters=model_parameters(models),
@@ -108,9 +105,7 @@ def model_parameters(models: Path) -> int:
 
 
 def _safetensors_parameters(path: Path) -> int:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+    header, _ = modelfiles.read_safetensors_header(path)
     return sum(math.prod(entry["shape"]) for key, entry in header.items() if key != "__metadata__")
 
 

@@ -12,6 +12,12 @@ def graphs_ready(folder) -> bool:
     return Path(folder, MANIFEST).is_file()
 
 
+def ready_graph_folders(models_dir, kind: str) -> list[Path]:
+    """The finished graph folders of a model folder, by name: kind "exported" (ONNX) or "rknn"."""
+    folder = Path(models_dir, kind)
+    return sorted(p for p in folder.iterdir() if graphs_ready(p)) if folder.is_dir() else []
+
+
 def graphs_dir(paths, backend: str, width: int, height: int) -> Path | None:
     """The folder `backend` runs for width x height (None for torch, which runs no graphs). An ONNX folder may still
     be missing (`graphs_ready` says; `anima_ui.convert.model_graphs.export_model_graphs` makes it); RKNN graphs

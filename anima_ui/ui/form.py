@@ -8,7 +8,7 @@ from pathlib import Path
 from anima_ui.errors import UserError
 from anima_ui.history import write_atomically
 from anima_ui.request import GenerationRequest
-from anima_ui.runtime.graphs import graphs_ready
+from anima_ui.runtime.graphs import ready_graph_folders
 
 # The model card's recommended ~1 MP sizes, plus smaller ones that are quicker on the board.
 STANDARD_SIZES = ("1024x1024", "896x1152", "1152x896", "832x1216", "1216x832", "768x768", "512x512")
@@ -21,17 +21,15 @@ def size_choices(backend: str, paths, demo: bool) -> list[str]:
     """torch: any multiple of 16 (a list to start from); onnx/sim: the exported sizes (others export on first use,
     which takes minutes); rknn: only the converted sizes."""
     if backend == "rknn":
-        return _graph_sizes(paths.root / "rknn") if paths is not None else []
-    exported = _graph_sizes(paths.root / "exported") if paths is not None else []
+        return _graph_sizes(paths.root, "rknn") if paths is not None else []
+    exported = _graph_sizes(paths.root, "exported") if paths is not None else []
     if backend in ("onnx", "sim") and exported:
         return exported
     return list(DEMO_SIZES if demo else STANDARD_SIZES)
 
 
-def _graph_sizes(folder: Path) -> list[str]:
-    if not folder.is_dir():
-        return []
-    sizes = [p.name for p in folder.iterdir() if SIZE_RE.match(p.name) and graphs_ready(p)]
+def _graph_sizes(models_dir: Path, kind: str) -> list[str]:
+    sizes = [p.name for p in ready_graph_folders(models_dir, kind) if SIZE_RE.match(p.name)]
     return sorted(sizes, key=lambda s: [int(n) for n in SIZE_RE.match(s).groups()], reverse=True)
 
 
