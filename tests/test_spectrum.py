@@ -1,5 +1,6 @@
-"""Spectrum: the schedule against the spec's table and an independent transcription of sd.cpp's rule, the forecast
-weights against a direct NumPy ridge solve, and the history bookkeeping."""
+"""Spectrum: the schedule against sd.cpp's published table and an independent transcription of sd.cpp's rule, the
+"sdcpp" forecast weights against a direct NumPy ridge solve, every other forecaster against its formula, the named
+settings and the canonical config."""
 
 import inspect
 import json
@@ -12,9 +13,20 @@ import pytest
 from anima_ui.cli import main
 from anima_ui.errors import UserError
 from anima_ui.sampling import spectrum as spectrum_module
-from anima_ui.sampling.spectrum import DEFAULTS, Spectrum, chebyshev_weights, plan, tau
+from anima_ui.sampling.spectrum import (
+    DEFAULT_FORECASTER,
+    DEFAULTS,
+    FORECASTERS,
+    SETTINGS,
+    Spectrum,
+    canonical,
+    chebyshev_weights,
+    first_forecasting_steps,
+    plan,
+    tau,
+)
 
-# spectrum_and_sdcpp.md §1.6 (defaults)
+# sd.cpp's defaults: the schedule stable-diffusion.cpp's Spectrum PRs and blog post publish
 FULL_PLANS = {
     20: [1, 2, 3, 4, 6, 8, 11, 14, 18, 19, 20],
     28: [1, 2, 3, 4, 6, 8, 11, 14, 18, 22, 26, 27, 28],
@@ -95,10 +107,12 @@ def test_plan_equals_an_independent_transcription_of_sdcpp_for_many_settings():
         assert plan(steps, **params) == sdcpp_rule(steps, **params), (steps, params)
 
 
-def test_defaults_are_sdcpp_defaults_and_the_constructor_uses_them():
+def test_defaults_are_sdcpp_defaults_and_the_constructor_and_on_setting_use_them():
     assert DEFAULTS == {"w": 0.40, "m": 3, "lam": 1.0, "window": 2, "flex": 0.5, "warmup": 4, "stop": 0.9}
     signature = inspect.signature(Spectrum)
     assert {name: signature.parameters[name].default for name in DEFAULTS} == DEFAULTS
+    assert signature.parameters["forecaster"].default == DEFAULT_FORECASTER
+    assert SETTINGS["on"] == {"window": 2, "flex": 0.5, "warmup": 4, "stop": 0.9}
 
 
 def ridge_forecast(taus, tau_target, history, degree, lam):
@@ -140,7 +154,7 @@ def test_singular_fit_takes_the_diagonal_jitter_retry(monkeypatch):
 
 def test_predict_is_the_taylor_chebyshev_blend():
     rng = np.random.default_rng(5)
-    spectrum = Spectrum(20)
+    spectrum = Spectrum(20, "sdcpp")
     history = [rng.normal(size=(1, 16, 2, 2)).astype(np.float32) for _ in range(4)]
     for h in history:
         spectrum.update(h)
@@ -155,8 +169,8 @@ def test_predict_is_the_taylor_chebyshev_blend():
 
 
 def test_a_constant_x0_is_forecast_too_small_as_the_spec_says():
-    # spectrum_and_sdcpp.md §1.4: at step 5 of 20 the blended coefficients sum to 0.894
-    spectrum = Spectrum(20)
+    # at step 5 of 20 sd.cpp's blended coefficients sum to 0.894 (λ = 1 shrinks the ridge fit)
+    spectrum = Spectrum(20, "sdcpp")
     for _ in range(4):
         spectrum.update(np.ones(3, dtype=np.float32))
     np.testing.assert_allclose(spectrum.predict(), 0.8939, atol=1e-4)
@@ -164,7 +178,7 @@ def test_a_constant_x0_is_forecast_too_small_as_the_spec_says():
 
 def test_only_computed_steps_enter_the_history():
     steps = 28
-    spectrum = Spectrum(steps)
+    spectrum = Spectrum(steps, "sdcpp")
     computed_calls, forecasts = [], []
     for call in range(steps):
         if spectrum.should_predict():
@@ -193,7 +207,7 @@ def test_history_is_a_copy_and_holds_max_m_plus_1_or_6_entries():
 
 def test_predict_without_history_is_refused():
     with pytest.raises(RuntimeError, match="should_predict"):
-        Spectrum(10).predict()
+        Spectrum(10).predict(np.zeros(2, np.float32), 0.5, 0.4)
 
 
 @pytest.mark.parametrize("params, word", [({"w": 1.5}, "w"), ({"m": -1}, "m"), ({"m": 2.5}, "m"), ({"lam": -1}, "lam"),
@@ -209,28 +223,109 @@ def test_plan_rejects_unknown_parameters():
         plan(20, window_size=3)
 
 
-def test_velocity_variant_forecasts_v_with_the_same_fit_and_returns_x0():
+def test_taylor_is_sdcpps_blend_at_w_0_bit_for_bit():
+    rng = np.random.default_rng(3)
+    taylor, blend = Spectrum(28, "taylor"), Spectrum(28, "sdcpp", w=0.0)
+    for _ in range(28):
+        assert taylor.should_predict() == blend.should_predict()
+        if taylor.should_predict():
+            np.testing.assert_array_equal(taylor.predict(), blend.predict())
+        else:
+            x0 = rng.normal(size=(1, 16, 3, 3)).astype(np.float32)
+            taylor.update(x0)
+            blend.update(x0)
+    assert taylor.forecasts == blend.forecasts > 0
+
+
+def fed(forecaster, x0s, xs, sigmas):
+    """A Spectrum of 20 steps whose 4 warm-up steps were fed these x0's at these latents and noise levels."""
+    spectrum = Spectrum(20, forecaster)
+    for x0, x, sigma in zip(x0s, xs, sigmas):
+        spectrum.update(x0, x, sigma)
+    assert spectrum.should_predict()
+    return spectrum
+
+
+def test_every_forecaster_follows_its_formula():
     rng = np.random.default_rng(11)
-    steps = 20
-    exact, velocity = Spectrum(steps), Spectrum(steps, variant="velocity")
-    sigmas = np.linspace(1.0, 0.5, 6, dtype=np.float32)
-    for sigma in sigmas[:4]:
-        x = rng.normal(size=(1, 16, 2, 2)).astype(np.float32)
-        x0 = rng.normal(size=(1, 16, 2, 2)).astype(np.float32)
-        exact.update((x - x0) / sigma)  # sd.cpp's state fed the velocities directly
-        velocity.update(x0, x, sigma)
-    x, sigma = rng.normal(size=(1, 16, 2, 2)).astype(np.float32), sigmas[4]
-    assert exact.should_predict() and velocity.should_predict()
-    np.testing.assert_allclose(velocity.predict(x, sigma), x - sigma * exact.predict(), rtol=1e-6, atol=1e-6)
+    sigmas = [np.float32(s) for s in (1.0, 0.95, 0.9, 0.8)]
+    x0s = [rng.normal(size=(1, 16, 2, 2)).astype(np.float32) for _ in sigmas]
+    xs = [rng.normal(size=(1, 16, 2, 2)).astype(np.float32) for _ in sigmas]
+    x, sigma, sigma_next = rng.normal(size=(1, 16, 2, 2)).astype(np.float32), 0.7, 0.6
+    v = [(x_ - x0) / s for x_, x0, s in zip(xs, x0s, sigmas)]
+    to_x0 = lambda velocity: x - sigma * velocity  # noqa: E731
+    through = lambda h, target: h[-1] + (target - sigmas[-1]) / (sigmas[-1] - sigmas[-2]) * (h[-1] - h[-2])  # noqa: E731
+    expected = {
+        "taylor": x0s[-1] + 0.5 * (x0s[-1] - x0s[-2]),
+        "reuse": x0s[-1],
+        "linear": through(x0s, sigma),
+        "velocity-taylor": to_x0(v[-1] + 0.5 * (v[-1] - v[-2])),
+        "velocity-linear": to_x0(through(v, sigma)),
+        "velocity-ab": to_x0(through(v, (sigma + sigma_next) / 2)),
+        "velocity": to_x0(fed("sdcpp", v, xs, sigmas).predict()),  # sd.cpp's state fed the velocities directly
+        "sdcpp": fed("sdcpp", x0s, xs, sigmas).predict(),
+    }
+    assert set(expected) == set(FORECASTERS)
+    for name, value in expected.items():
+        forecast = fed(name, x0s, xs, sigmas).predict(x, sigma, sigma_next)
+        assert forecast.dtype == np.float32
+        np.testing.assert_allclose(forecast, value, rtol=2e-5, atol=2e-5, err_msg=name)
 
 
-def test_velocity_variant_needs_the_latent_and_sigma():
-    spectrum = Spectrum(20, variant="velocity")
+def test_reusing_the_last_velocity_is_reusing_the_last_x0_under_euler():
+    # why there is no "velocity-reuse": Euler toward a fixed x0 keeps the velocity (x − x0)/σ fixed
+    from anima_ui.sampling.euler import sample_euler
+    from anima_ui.sampling.schedule import simple_sigmas
+
+    class VelocityReuse(Spectrum):
+        def predict(self, x=None, sigma=None, sigma_next=None):
+            super().predict(x, sigma, sigma_next)  # advances the counters
+            return x - np.float32(sigma) * (self.x_last - self.x0_last) / np.float32(self.sigma_last)
+
+        def update(self, x0, x=None, sigma=None):
+            self.x0_last, self.x_last, self.sigma_last = x0, x, sigma
+            super().update(x0, x, sigma)
+
+    def denoiser(x, sigma):
+        return np.tanh(x) * (1 - sigma)
+
+    x = np.random.default_rng(2).normal(size=(1, 16, 2, 2)).astype(np.float32)
+    reuse = sample_euler(denoiser, x, simple_sigmas(20), Spectrum(20, "reuse"))
+    velocity_reuse = sample_euler(denoiser, x, simple_sigmas(20), VelocityReuse(20, "reuse"))
+    np.testing.assert_allclose(velocity_reuse, reuse, rtol=1e-5, atol=1e-5)
+
+
+def test_velocity_forecasters_need_the_latent_and_sigma():
+    spectrum = Spectrum(20, "velocity-taylor")
     with pytest.raises(ValueError, match="needs x"):
         spectrum.update(np.zeros(2, np.float32))
 
 
-def test_the_variant_does_not_change_the_plan_and_unknown_variants_are_refused():
-    assert plan(28, variant="velocity") == plan(28)
-    with pytest.raises(UserError, match="Spectrum variant"):
-        Spectrum(20, variant="vel")
+def test_the_forecaster_does_not_change_the_plan_and_unknown_ones_are_refused():
+    assert all(plan(28, forecaster=name) == plan(28) for name in FORECASTERS)
+    with pytest.raises(UserError, match="Spectrum forecaster"):
+        Spectrum(20, "vel")
+
+
+def test_fast_setting_about_halves_the_evaluations_of_on_again():
+    for steps in (20, 28, 50):
+        on, fast = len(plan(steps)[0]), len(plan(steps, setting="fast")[0])
+        assert abs(fast - on / 2) <= 1.5, (steps, on, fast)
+        assert plan(steps, setting="fast")[0][-1] == steps  # the last step is always computed
+    assert plan(20, setting="fast")[0] == [1, 2, 5, 9, 15, 20]
+
+
+def test_first_forecasting_steps():
+    assert first_forecasting_steps({}) == 6 and plan(5)[1] == [] and plan(6)[1] == [5]
+    assert first_forecasting_steps({"setting": "fast"}) == 4
+    assert first_forecasting_steps({"warmup": 200}) is None
+
+
+def test_canonical_config_writes_out_what_the_run_uses():
+    assert canonical({}) == {"setting": "on", "forecaster": DEFAULT_FORECASTER, **SETTINGS["on"]}
+    assert canonical({"setting": "fast", "forecaster": "sdcpp", "window": 4.0}) == {
+        "setting": "fast", "forecaster": "sdcpp", **SETTINGS["fast"], "window": 4, "w": 0.4, "m": 3, "lam": 1.0}
+    assert canonical(canonical({"setting": "fast"})) == canonical({"setting": "fast"})
+    for bad, word in (({"setting": "turbo"}, "setting"), ({"variant": "velocity"}, "unknown"), ({"window": 2.5}, "window")):
+        with pytest.raises(UserError, match=word):
+            canonical(bad)

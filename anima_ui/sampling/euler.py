@@ -42,7 +42,7 @@ def euler_steps(
             if spectrum is not None:
                 spectrum.update(x0, x, sigma)
         else:
-            x0 = spectrum.predict(x, sigma)
+            x0 = spectrum.predict(x, sigma, sigma_next)
         d = (x - x0) / sigma
         x = x + d * (sigma_next - sigma)
         yield StepInfo(index0=i, total=total, sigma=float(sigma), x=x, x0=x0, computed=computed)
