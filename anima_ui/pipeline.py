@@ -99,8 +99,6 @@ class Pipeline:
 
     # -- one generation ---------------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
-        from anima_ui.model.forward import prepare_kv, prepare_rope  # torch: see the note at the top
-
         cancel = cancel or threading.Event()
         started = time.perf_counter()
         seconds = {}
@@ -117,11 +115,7 @@ class Pipeline:
 
         yield PhaseEvent("text")
         t0 = time.perf_counter()
-        contexts = [self.text_encoder.encode(request.prompt)]
-        if request.uses_uncond:
-            contexts.append(self.text_encoder.encode(request.negative))
-        kv = prepare_kv(self.weights, np.concatenate(contexts, axis=0))
-        rope = prepare_rope(self.config, request.height // 8, request.width // 8)
+        kv, rope = self._conditioning(request)
         seconds["text"] = time.perf_counter() - t0
         _check(cancel)
 
@@ -149,13 +143,44 @@ class Pipeline:
             "spectrum": request.spectrum,
             "backend": self.backend,
             "model_evals": model_evals,
-            "transformer_passes": len(contexts) * model_evals,
+            "transformer_passes": (2 if request.uses_uncond else 1) * model_evals,
             "decoder": decoder,
             "warning": warning,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
             "per_step": steps,
         }
         yield ResultEvent(image=image, latent=latent, summary=summary)
+
+    def x0_predictor(self, request: GenerationRequest):
+        """predict_x0(x, σ) of this request's prompts and CFG on the torch backend, for studies that run their own
+        sampler (`anima-ui bench spectrum`)."""
+        if self.backend != "torch":
+            raise UserError(f"x0_predictor runs the torch backend only, this pipeline is {self.backend}")
+        kv, rope = self._conditioning(request)
+        return self._x0_predictor(request, kv, rope, self.open_runtime(None, threading.Event()))
+
+    def _conditioning(self, request):
+        from anima_ui.model.forward import prepare_kv, prepare_rope  # torch: see the note at the top
+
+        contexts = [self.text_encoder.encode(request.prompt)]
+        if request.uses_uncond:
+            contexts.append(self.text_encoder.encode(request.negative))
+        kv = prepare_kv(self.weights, np.concatenate(contexts, axis=0))
+        rope = prepare_rope(self.config, request.height // 8, request.width // 8)
+        return kv, rope
+
+    def _x0_predictor(self, request, kv, rope, runtime):
+        from anima_ui.model.forward import dit_forward  # torch: see the note at the top
+
+        batch = 2 if request.uses_uncond else 1
+
+        def predict_x0(x_t, sigma):
+            xs = np.repeat(x_t, batch, axis=0)
+            velocity = dit_forward(self.weights, runtime, xs, np.full(batch, sigma, np.float32), kv, rope)
+            x0 = xs - sigma * velocity
+            return cfg_combine(x0[:1], x0[1:], request.cfg) if batch == 2 else x0
+
+        return predict_x0
 
     def open_runtime(self, graphs, cancel: threading.Event):
         """The branch runtime of one generation: run_branch for dit_forward, closed when the generation ends."""
@@ -167,19 +192,11 @@ class Pipeline:
 
     def _denoise(self, request, kv, rope, graphs, cancel):
         """Generator: yields StepEvents, returns (final latent, the steps' records)."""
-        from anima_ui.model.forward import dit_forward  # torch: see the note at the top
-
-        batch = 2 if request.uses_uncond else 1
         sigmas = simple_sigmas(request.steps)
         x = initial_noise(request.seed, request.height, request.width)
-        spectrum = Spectrum(request.steps, **request.spectrum_params) if request.spectrum else None
+        spectrum = Spectrum.from_config(request.steps, request.spectrum_params) if request.spectrum else None
         runtime = self.runtime = self.open_runtime(graphs, cancel)
-
-        def predict_x0(x_t, sigma):
-            xs = np.repeat(x_t, batch, axis=0)
-            velocity = dit_forward(self.weights, runtime, xs, np.full(batch, sigma, np.float32), kv, rope)
-            x0 = xs - sigma * velocity
-            return cfg_combine(x0[:1], x0[1:], request.cfg) if batch == 2 else x0
+        predict_x0 = self._x0_predictor(request, kv, rope, runtime)
 
         records = []
         try:
