@@ -14,15 +14,19 @@ from PIL.PngImagePlugin import PngInfo
 
 from anima_ui.errors import UserError
 from anima_ui.infotext import format_infotext, format_seconds, settings_from_infotext
+from anima_ui.sampling.spectrum import canonical
 
-# The settings that make two generations the same picture (A/B twins differ only in `spectrum`).
+# The settings that make two generations the same picture (A/B twins differ only in their Spectrum settings).
 TWIN_KEYS = ("prompt", "negative", "seed", "steps", "cfg", "width", "height")
-SETTING_KEYS = TWIN_KEYS + ("spectrum", "spectrum_params")
 
 
 def request_settings(request) -> dict:
-    """The JSON-able settings of a GenerationRequest, as stored in sidecars and restored into the form."""
-    return {k: getattr(request, k) for k in SETTING_KEYS}
+    """The JSON-able settings of a GenerationRequest, as stored in sidecars and restored into the form; the Spectrum
+    config written out in full (setting, forecaster and every number it uses), {} when Spectrum is off."""
+    settings = {k: getattr(request, k) for k in TWIN_KEYS}
+    settings["spectrum"] = bool(request.spectrum)
+    settings["spectrum_params"] = canonical(request.spectrum_params) if request.spectrum else {}
+    return settings
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class HistoryItem:
 
     @property
     def caption(self) -> str:
-        spectrum = "Spectrum on" if self.settings["spectrum"] else "Spectrum off"
+        spectrum = f"Spectrum {self.settings['spectrum_params'].get('setting', 'on')}" if self.settings["spectrum"] else "Spectrum off"
         seconds = self.summary.get("seconds", {}).get("denoise")
         timing = f" · {format_seconds(seconds)}" if seconds is not None else ""
         return f"seed {self.settings['seed']} · {spectrum}{timing}"

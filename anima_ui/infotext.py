@@ -9,6 +9,7 @@ import json
 import re
 
 from anima_ui.errors import UserError
+from anima_ui.sampling.spectrum import PARAMETERS, SETTINGS, canonical
 
 VERSION = "anima-ui 0.1.0"
 
@@ -66,15 +67,18 @@ def parse_infotext(text: str) -> tuple[str, str, dict]:
     return "\n".join(prompt_lines), "\n".join(negative_lines), params
 
 
-def spectrum_config_text(spectrum_params: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(spectrum_params.items()))
+def spectrum_config_text(config: dict) -> str:
+    """The numbers of a canonical Spectrum config as `key=value, …` (setting and forecaster have their own keys)."""
+    return ", ".join(f"{k}={v}" for k, v in config.items() if k in PARAMETERS)
 
 
 def parse_spectrum_config(text: str) -> dict:
     params = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        key, _, value = part.partition("=")
-        params[key.strip()] = float(value) if "." in value else int(value)
+        key, _, value = (item.strip() for item in part.partition("="))
+        if key not in PARAMETERS:
+            raise UserError(f"the image's Spectrum config has an unknown parameter {key!r}; it cannot be restored")
+        params[key] = PARAMETERS[key][0](value)
     return params
 
 
@@ -82,6 +86,7 @@ def format_infotext(request, summary: dict) -> str:
     """request: a GenerationRequest (or anything with its fields); summary: the pipeline's ResultEvent summary,
     optionally with "model" (the diffusion model file's stem) added by the caller."""
     seconds = summary.get("seconds", {})
+    spectrum = canonical(request.spectrum_params) if request.spectrum else {}
     params = {
         "Steps": request.steps,
         "Sampler": "Euler",
@@ -90,8 +95,9 @@ def format_infotext(request, summary: dict) -> str:
         "Seed": request.seed,
         "Size": f"{request.width}x{request.height}",
         "Model": summary.get("model"),
-        "Spectrum": "on" if request.spectrum else "off",
-        "Spectrum config": spectrum_config_text(request.spectrum_params) if request.spectrum and request.spectrum_params else None,
+        "Spectrum": spectrum["setting"] if spectrum else "off",
+        "Spectrum forecaster": spectrum.get("forecaster"),
+        "Spectrum config": spectrum_config_text(spectrum) if spectrum else None,
         "Model evaluations": summary.get("model_evals"),
         "Backend": summary.get("backend"),
         "Denoise time": format_seconds(seconds["denoise"]) if "denoise" in seconds else None,
@@ -115,13 +121,24 @@ def settings_from_infotext(text: str) -> dict:
             "cfg": float(params.get("CFG scale", 4.0)),
             "width": int(params["Size-1"]),
             "height": int(params["Size-2"]),
-            "spectrum": params.get("Spectrum", "off") == "on",
         }
-        if "Spectrum config" in params:
-            settings["spectrum_params"] = parse_spectrum_config(params["Spectrum config"])
+        settings.update(_spectrum_settings(params))
     except ValueError as exc:
         raise UserError(f"the image's parameters text has a malformed value ({exc}); it cannot be restored") from exc
     return settings
+
+
+def _spectrum_settings(params: dict) -> dict:
+    """{"spectrum": bool, "spectrum_params": canonical config or {}} from the Spectrum keys of an infotext.
+    Images made before the forecaster could be chosen have no "Spectrum forecaster": they used sd.cpp's."""
+    setting = params.get("Spectrum", "off")
+    if setting == "off":
+        return {"spectrum": False, "spectrum_params": {}}
+    if setting not in SETTINGS:
+        raise UserError(f"the image's Spectrum setting {setting!r} is unknown (expected off, {', '.join(SETTINGS)})")
+    config = {"setting": setting, "forecaster": params.get("Spectrum forecaster", "sdcpp")}
+    config.update(parse_spectrum_config(params.get("Spectrum config", "")))
+    return {"spectrum": True, "spectrum_params": canonical(config)}
 
 
 def format_seconds(seconds: float) -> str:

@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from anima_ui.cli import main
-from anima_ui.sampling.spectrum import plan
+from anima_ui.history import settings_from_png
+from anima_ui.sampling.spectrum import SETTINGS, plan
 
 
 def run_cli(argv) -> int:
@@ -63,6 +64,15 @@ def test_spectrum_runs_exactly_the_planned_model_evaluations(tiny_model, tmp_pat
     assert [s["step"] for s in summary["per_step"] if not s["computed"]] == forecast
 
 
+def test_spectrum_fast_with_a_chosen_forecaster_is_recorded_in_the_png(tiny_model, tmp_path, capsys):
+    assert generate(tiny_model, tmp_path, "--steps", "8", "--spectrum", "fast", "--spectrum-forecaster", "velocity-ab") == 0
+    summary = last_json(capsys)
+    assert summary["model_evals"] == len(plan(8, setting="fast")[0]) < len(plan(8)[0])
+    restored = settings_from_png(tmp_path / "out.png")
+    assert restored["spectrum"] is True
+    assert restored["spectrum_params"] == {"setting": "fast", "forecaster": "velocity-ab", **SETTINGS["fast"]}
+
+
 @pytest.mark.parametrize(
     "flags, names",
     [
@@ -72,6 +82,9 @@ def test_spectrum_runs_exactly_the_planned_model_evaluations(tiny_model, tmp_pat
         (["--backend", "cuda"], "backend"),
         (["--steps", "many"], "--steps"),
         (["--out", "/nonexistent-dir/out.png"], "folder"),
+        (["--spectrum-window", "3"], "--spectrum-window"),
+        (["--spectrum", "turbo"], "--spectrum"),
+        (["--spectrum", "--spectrum-flex", "-1"], "flex"),
     ],
 )
 def test_bad_input_is_one_line_error(tiny_model, tmp_path, capsys, flags, names):

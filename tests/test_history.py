@@ -7,6 +7,7 @@ from PIL import Image
 from anima_ui.errors import UserError
 from anima_ui.history import History, settings_from_png
 from anima_ui.request import GenerationRequest
+from anima_ui.sampling.spectrum import SETTINGS
 
 SUMMARY = {"backend": "torch", "model": "tiny", "model_evals": 3, "seconds": {"denoise": 1.5, "total": 2.0},
            "per_step": [{"step": 1, "seconds": np.float32(0.5)}]}  # NumPy scalars must not break the sidecar
@@ -18,12 +19,16 @@ def _image(seed=0):
 
 def test_saved_png_carries_parameters_and_restores_settings(tmp_path):
     request = GenerationRequest(prompt="a fox", negative="blur", seed=7, steps=3, cfg=4.0, width=64, height=96,
-                                spectrum=True, spectrum_params={"w": 0.4})
+                                spectrum=True, spectrum_params={"setting": "fast", "forecaster": "velocity-ab"})
     item = History(tmp_path).save(_image(), request, SUMMARY)
     with Image.open(item.png_path) as png:
         assert "Seed: 7" in png.info["parameters"]
         assert png.size == (48, 32)
-    assert settings_from_png(item.png_path) == {**item.settings}
+    restored = settings_from_png(item.png_path)
+    assert restored == {**item.settings}
+    assert restored["spectrum_params"] == {"setting": "fast", "forecaster": "velocity-ab", **SETTINGS["fast"]}
+    sidecar = json.loads(item.png_path.with_suffix(".json").read_text())
+    assert sidecar["settings"]["spectrum_params"] == restored["spectrum_params"]
     assert json.loads(item.png_path.with_suffix(".json").read_text())["summary"]["model"] == "tiny"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp files left
 

@@ -38,16 +38,39 @@ def test_join_matches_a1111_layout_and_quoting():
 def test_round_trip_of_our_infotext_restores_every_setting():
     request = GenerationRequest(
         prompt="two lines,\nwith: colons", negative="bad, hands", seed=2**40 + 3, steps=12, cfg=4.5,
-        width=832, height=1216, spectrum=True, spectrum_params={"w": 0.4, "window": 2},
+        width=832, height=1216, spectrum=True, spectrum_params={"setting": "fast", "forecaster": "sdcpp", "w": 0.3},
     )
     text = format_infotext(request, {"backend": "onnx", "model": "anima-base-v1.0", "model_evals": 7,
                                      "seconds": {"denoise": 83.2}})
-    assert "Spectrum: on" in text and "Denoise time: 1m23s" in text and "Model: anima-base-v1.0" in text
+    assert "Spectrum: fast, Spectrum forecaster: sdcpp" in text
+    assert "Denoise time: 1m23s" in text and "Model: anima-base-v1.0" in text
     settings = settings_from_infotext(text)
     assert settings == {
         "prompt": request.prompt, "negative": request.negative, "seed": request.seed, "steps": 12, "cfg": 4.5,
-        "width": 832, "height": 1216, "spectrum": True, "spectrum_params": {"w": 0.4, "window": 2},
+        "width": 832, "height": 1216, "spectrum": True,
+        "spectrum_params": {"setting": "fast", "forecaster": "sdcpp", "window": 3, "flex": 1.5, "warmup": 2,
+                            "stop": 0.95, "w": 0.3, "m": 3, "lam": 1.0},
     }
+
+
+def test_spectrum_keys_restore_the_numbers_written_not_todays_setting():
+    text = 'a cat\nSteps: 20, Seed: 1, Size: 64x64, Spectrum: on, Spectrum forecaster: reuse, Spectrum config: "window=3, flex=1.0, warmup=4, stop=0.9"'
+    params = settings_from_infotext(text)["spectrum_params"]
+    assert params == {"setting": "on", "forecaster": "reuse", "window": 3, "flex": 1.0, "warmup": 4, "stop": 0.9}
+
+
+def test_images_from_before_the_forecaster_choice_restore_sdcpps_forecast():
+    text = 'a cat\nSteps: 20, Seed: 1, Size: 64x64, Spectrum: on, Spectrum config: "w=0.4, window=2"'
+    params = settings_from_infotext(text)["spectrum_params"]
+    assert params["forecaster"] == "sdcpp" and params["setting"] == "on" and params["w"] == 0.4
+
+
+@pytest.mark.parametrize("spectrum, word", [("Spectrum: turbo", "turbo"), ('Spectrum: on, Spectrum config: "wz=1"', "wz"),
+                                            ('Spectrum: on, Spectrum config: "window=two"', "malformed"),
+                                            ("Spectrum: on, Spectrum forecaster: magic", "forecaster")])
+def test_bad_spectrum_keys_are_user_errors(spectrum, word):
+    with pytest.raises(UserError, match=word):
+        settings_from_infotext(f"a cat\nSteps: 20, Seed: 1, Size: 64x64, {spectrum}")
 
 
 def test_empty_prompt_round_trips():

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
+from anima_ui.commands.spectrum_flags import add_spectrum_arguments, spectrum_config
 from anima_ui.errors import UserError
 from anima_ui.history import save_png, write_atomically
 from anima_ui.infotext import format_infotext
@@ -15,11 +16,8 @@ from anima_ui.pipeline import Pipeline, PhaseEvent, ResultEvent, StepEvent
 from anima_ui.request import GenerationRequest
 from anima_ui.runtime import BACKENDS
 from anima_ui.runtime.auto import resolve as resolve_backend
+from anima_ui.sampling.spectrum import SETTINGS
 from anima_ui.text.prompt_file import read_prompt_file
-
-SPECTRUM_FLAGS = {
-    "w": float, "m": int, "lam": float, "window": int, "flex": float, "warmup": int, "stop": float, "variant": str,
-}
 
 
 def add_arguments(parser):
@@ -37,9 +35,11 @@ def add_arguments(parser):
                         help="how the DiT branches run; auto (default): rknn where the NPU runtime and converted graphs are, "
                              "else torch where it fits in memory, else onnx (it prints what it chose and why)")
     add_pipeline_arguments(parser)
-    parser.add_argument("--spectrum", action="store_true", help="forecast about half the steps (sd.cpp's Spectrum)")
-    for name, kind in SPECTRUM_FLAGS.items():
-        parser.add_argument(f"--spectrum-{name}", type=kind, default=None, help=f"Spectrum parameter {name}" + (" (sdcpp | velocity)" if name == "variant" else ""))
+    parser.add_argument("--spectrum", nargs="?", const="on", default="off", choices=["off", *SETTINGS],
+                        help="forecast steps instead of computing them: on (about half the model evaluations) or fast "
+                             "(about half of on's again, at a larger error: docs/spectrum_quality.md); "
+                             "--spectrum alone means on")
+    add_spectrum_arguments(parser)
     parser.add_argument("--out", required=True, help="output PNG path")
     parser.add_argument("--save-latent", help="also save the final latent as float32 .npy, shape (1, 16, H/8, W/8)")
 
@@ -58,8 +58,8 @@ def run(args) -> int:
         cfg=args.cfg,
         width=args.width,
         height=args.height,
-        spectrum=args.spectrum,
-        spectrum_params={k: getattr(args, f"spectrum_{k}") for k in SPECTRUM_FLAGS if getattr(args, f"spectrum_{k}") is not None},
+        spectrum=args.spectrum != "off",
+        spectrum_params=spectrum_config(args, args.spectrum),
     )
     ModelPaths.find(args.models)  # a broken model folder is the one error line, before any choice is printed
     backend, why = resolve_backend(args.backend, args.models, request.width, request.height)
