@@ -296,7 +296,6 @@ def run(args) -> int:
         raise UserError("--seeds must be at least 1; --tiny-seeds, --fine, --tiny-fine and --sparse-seeds 0 or more")
     started = time.perf_counter()
     forecasters = list(FORECASTERS)
-    on = {"on": SETTINGS["on"]}
     tables, checks = {}, {}
     with tempfile.TemporaryDirectory() as scratch:
         flows = [(analytic_flow(name, args.problem_seed, args.cfg), range(args.seeds), args.fine) for name in args.flows]
@@ -305,13 +304,13 @@ def run(args) -> int:
             flows.append((tiny_flow(models, args.cfg), range(args.tiny_seeds), args.tiny_fine))
         for flow, seeds, fine in flows:
             print(f"[{time.perf_counter() - started:.0f} s] {flow.name}: {len(seeds)} seeds", file=sys.stderr, flush=True)
-            result = forecaster_errors(flow, seeds, args.steps, on, forecasters, fine or None)
+            result = forecaster_errors(flow, seeds, args.steps, SETTINGS, forecasters, fine or None)
             checks[flow.name] = (fine, result.pop("check"))
             tables.update({(flow.name, *key): cell for key, cell in result.items()})
         print_convergence(checks, tables, forecasters)
-        print_cells(tables, forecasters, args)
-        summary = summarise(tables, forecasters)
-        print_summary(summary)
+        for setting in SETTINGS:
+            print_cells(tables, forecasters, setting, args)
+            print_summary(summarise(tables, forecasters, setting), setting)
         if args.sparse_seeds:
             sparse = {}
             for name in args.flows:
@@ -340,11 +339,11 @@ def print_convergence(checks: dict, tables: dict, forecasters) -> None:
     print()
 
 
-def print_cells(tables: dict, forecasters, args) -> None:
-    print(f"Relative L2 error of the final latent, median [IQR] over seeds ({args.seeds} per analytic flow, "
-          f"{args.tiny_seeds} on the tiny model), CFG {args.cfg}, schedule \"on\" (sd.cpp's).")
+def print_cells(tables: dict, forecasters, setting: str, args) -> None:
+    print(f"Setting \"{setting}\" {SETTINGS[setting]}: relative L2 error of the final latent, median [IQR] over "
+          f"seeds ({args.seeds} per analytic flow, {args.tiny_seeds} on the tiny model), CFG {args.cfg}.")
     for reference in REFERENCES:
-        cells = {key: cell for key, cell in tables.items() if key[3] == reference}
+        cells = {key: cell for key, cell in tables.items() if key[2] == setting and key[3] == reference}
         if not cells:
             continue
         name = "the full N-step run" if reference == "full" else "the exact ODE"
@@ -359,15 +358,16 @@ def print_cells(tables: dict, forecasters, args) -> None:
     print()
 
 
-def print_summary(summary: dict) -> None:
-    print("Summary over every flow and step count above: each cell's median divided by the best forecaster's median "
-          "in that cell; worst case and geometric mean of that ratio.")
+def print_summary(summary: dict, setting: str) -> None:
+    print(f"Summary of setting \"{setting}\" over every flow and step count above: each cell's median divided by the "
+          "best forecaster's median in that cell; worst case and geometric mean of that ratio.")
     print("| forecaster | " + " | ".join(f"vs {r}: worst | vs {r}: geo. mean" for r in summary) + " |")
     print("|---|" + "---|---|" * len(summary))
     for name in next(iter(summary.values())):
         values = " | ".join(f"{summary[r][name][0]:.2f} | {summary[r][name][1]:.2f}" for r in summary)
         print(f"| {name}{' (default)' if name == DEFAULT_FORECASTER else ''} | {values} |")
-    print(f"\nBest worst case against the full run: {best_worst_case(summary)} (default: {DEFAULT_FORECASTER})\n")
+    print(f"\nBest worst case against the full run ({setting}): {best_worst_case(summary)} "
+          f"(default: {DEFAULT_FORECASTER})\n")
 
 
 def print_sparse(sparse: dict, forecasters, args) -> None:
