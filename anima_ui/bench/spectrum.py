@@ -186,7 +186,8 @@ def relative_error(result: np.ndarray, reference: np.ndarray) -> float:
 def forecaster_errors(flow: Flow, seeds, steps_list, schedules: dict, forecasters, fine: int | None) -> dict:
     """{(steps, schedule name, reference): {method: [error per seed]}}, plus {"check": [convergence per seed]}.
 
-    Methods are the forecasters and "euler k". The exact reference is skipped when `fine` is None."""
+    Methods are the forecasters, "euler k" and, against the exact ODE, "full run" (the N-step run's own error).
+    The exact reference is skipped when `fine` is None."""
     results: dict = {"check": []}
     for seed in seeds:
         noise = flow.noise(seed)
@@ -204,10 +205,12 @@ def forecaster_errors(flow: Flow, seeds, steps_list, schedules: dict, forecaster
                 finals = {name: sample_euler(flow.predict_x0, noise, sigmas, Spectrum(steps, name, **schedule))
                           for name in forecasters}
                 finals[f"euler {evals}"] = sample_euler(flow.predict_x0, noise, simple_sigmas(evals))
+                finals["full run"] = refs["full"]
                 for ref_name, ref in refs.items():
                     cell = results.setdefault((steps, schedule_name, ref_name), {})
                     for method, final in finals.items():
-                        cell.setdefault(method, []).append(relative_error(final, ref))
+                        if not (method == "full run" and ref_name == "full"):
+                            cell.setdefault(method, []).append(relative_error(final, ref))
     return results
 
 
@@ -348,13 +351,15 @@ def print_cells(tables: dict, forecasters, setting: str, args) -> None:
             continue
         name = "the full N-step run" if reference == "full" else "the exact ODE"
         print(f"\nAgainst {name}:")
-        print("| flow | steps | evals | " + " | ".join(forecasters) + " | euler, same evals |")
-        print("|---|---|---|" + "---|" * (len(forecasters) + 1))
+        full_run = " | full N-step run" if reference == "exact" else ""
+        print("| flow | steps | evals | " + " | ".join(forecasters) + f" | euler, same evals{full_run} |")
+        print("|---|---|---|" + "---|" * (len(forecasters) + 1 + bool(full_run)))
         for (flow, steps, _, _), cell in cells.items():
             baseline = next(k for k in cell if k.startswith("euler "))
             best = min(median(cell[f]) for f in forecasters)
             texts = [(f"**{cell_text(cell[f])}**" if median(cell[f]) == best else cell_text(cell[f])) for f in forecasters]
-            print(f"| {flow} | {steps} | {baseline.split()[1]} | " + " | ".join(texts) + f" | {cell_text(cell[baseline])} |")
+            texts += [cell_text(cell[k]) for k in (baseline, "full run") if k in cell]
+            print(f"| {flow} | {steps} | {baseline.split()[1]} | " + " | ".join(texts) + " |")
     print()
 
 
