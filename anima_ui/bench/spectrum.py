@@ -27,7 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from anima_ui.errors import UserError
+from anima_ui.pipeline import Pipeline
+from anima_ui.request import GenerationRequest
 from anima_ui.sampling.euler import sample_euler
+from anima_ui.sampling.noise import initial_noise
 from anima_ui.sampling.schedule import simple_sigmas
 from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, FORECASTERS, SETTINGS, Spectrum, plan
 
@@ -220,16 +223,11 @@ def analytic_flow(name: str, problem_seed: int, cfg: float) -> Flow:
 
 
 def tiny_flow(models_dir: Path, cfg: float) -> Flow:
-    from anima_ui.pipeline import Pipeline
-    from anima_ui.request import GenerationRequest
-
     pipeline = Pipeline.load(models_dir, backend="torch")
     request = GenerationRequest("a lighthouse on a cliff at dusk", "", cfg=cfg, width=64, height=64)
     predict = pipeline.x0_predictor(request)
 
     def noise(seed):
-        from anima_ui.sampling.noise import initial_noise
-
         return initial_noise(seed, request.height, request.width)
 
     def predict_x0(x, sigma):  # the model runs in float32; the fine solve carries its state in float64
@@ -394,6 +392,6 @@ def print_sparse(sparse: dict, forecasters, args) -> None:
 
 
 def _tiny_model(out: Path) -> Path:
-    from anima_ui.fixtures.model import write_random_model
+    from anima_ui.fixtures.model import write_random_model  # imports torch; only needed without --models
 
     return write_random_model(out, "tiny", seed=0)
