@@ -270,4 +270,10 @@ class JobManager:
 
 
 def _same_cost(a: GenerationRequest, b: GenerationRequest) -> bool:
-    return (a.width, a.height, a.uses_uncond, a.spectrum) == (b.width, b.height, b.uses_uncond, b.spectrum)
+    return _cost_key(a) == _cost_key(b)
+
+
+def _cost_key(request: GenerationRequest) -> tuple:
+    """What sets the time per step: the size, the CFG batch, and how many steps Spectrum forecasts (its setting)."""
+    setting = request.spectrum_params.get("setting", "on") if request.spectrum else "off"
+    return request.width, request.height, request.uses_uncond, setting

@@ -14,6 +14,7 @@ from PIL import Image
 
 from anima_ui.fixtures.model import demo_model_dir
 from anima_ui.modelfiles import missing_message
+from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, plan
 from helpers import GRADIO_PANDAS_NOISE, WITHOUT_TORCH, RecordingRuntimes, free_port, occupy_worker, start_app, wait_idle
 
 pytestmark = GRADIO_PANDAS_NOISE
@@ -35,8 +36,8 @@ def client(served):
     return Client(served[1], verbose=False)
 
 
-def form(prompt="a red fox", seed="5", steps=3, size="64x64", spectrum=False, cfg=4.0, negative=""):
-    return [prompt, negative, seed, cfg, steps, size, spectrum, "projection"]
+def form(prompt="a red fox", seed="5", steps=3, size="64x64", spectrum="off", cfg=4.0, negative="", forecaster="taylor"):
+    return [prompt, negative, seed, cfg, steps, size, spectrum, forecaster, "projection"]
 
 
 def generate_and_watch(client, **kwargs):
@@ -146,6 +147,7 @@ def test_ab_runs_both_then_reuses_them_from_history(client, served):
     off, on = final[2]
     assert Path(off).suffix == ".png" and Path(on).suffix == ".png"
     assert "speed-up" in final[3] and "PSNR" in final[3] and "SSIM" in final[3]
+    assert "model evaluations 6 vs 5" in final[3] and "Forecast steps (1 of 6): 5" in final[3]
     with Image.open(off) as a, Image.open(on) as b:
         assert "Spectrum: off" in a.info["parameters"] and "Spectrum: on" in b.info["parameters"]
     again, message = client.predict(None, *values, api_name="/ab")
@@ -153,13 +155,26 @@ def test_ab_runs_both_then_reuses_them_from_history(client, served):
     assert "SSIM" in client.submit(again, api_name="/watch").result(timeout=60)[3]
 
 
-def test_a_dropped_png_restores_its_settings(client, served):
-    item = served[0].history.items()[0]
-    restored = client.predict(handle_file(str(item.png_path)), api_name="/restore_png")
-    prompt, negative, seed, cfg, steps, size, spectrum, message = restored
-    s = item.settings
-    assert (prompt, seed, steps, size, spectrum) == (s["prompt"], str(s["seed"]), s["steps"],
-                                                     f"{s['width']}x{s['height']}", s["spectrum"])
+def test_the_demos_default_step_count_lets_spectrum_forecast(served):
+    app = served[0]
+    assert app.config.demo and app.ui.spectrum.value == "off" and app.ui.forecaster.value == DEFAULT_FORECASTER
+    assert len(plan(int(app.ui.steps.value))[1]) > 0
+
+
+def test_ab_at_4_steps_says_spectrum_forecast_nothing_and_shows_no_speed_up(client):
+    session, message = client.predict(None, *form(prompt="ab short", seed="809", steps=4), api_name="/ab")
+    text = client.submit(session, api_name="/watch").result(timeout=300)[3]
+    assert "At 4 steps Spectrum on (taylor) forecasts no step; it needs at least 6" in text
+    assert "×" not in text  # no speed-up figure
+
+
+def test_a_dropped_png_restores_its_settings_with_spectrum_setting_and_forecaster(client, served):
+    _, _, final = generate_and_watch(client, prompt="restore me", seed="31", steps=4, spectrum="fast",
+                                     forecaster="velocity-ab")
+    restored = client.predict(handle_file(final[0]), api_name="/restore_png")
+    prompt, negative, seed, cfg, steps, size, spectrum, forecaster, message = restored
+    assert (prompt, seed, steps, size) == ("restore me", "31", 4, "64x64")
+    assert (spectrum, forecaster) == ("fast", "velocity-ab")
     assert "Restored" in message
 
 
@@ -171,10 +186,12 @@ def test_a_png_without_parameters_is_refused_inline(client, tmp_path):
 
 def test_presets_apply_and_save(client, served):
     applied = client.predict("draft", api_name="/apply_preset")
-    assert applied[3] == 16 and applied[5] is True and "draft" in applied[-1]
-    choices, message = client.predict("Night walk", "at night", "", 5.0, 7, "64x64", False, api_name="/save_preset")
+    assert applied[3] == 16 and applied[5] == "on" and "draft" in applied[-1]
+    choices, message = client.predict("Night walk", "at night", "", 5.0, 7, "64x64", "fast", "reuse",
+                                      api_name="/save_preset")
     assert "night-walk" in message
-    assert json.loads((served[0].config.presets_dir / "night-walk.json").read_text())["steps"] == 7
+    saved = json.loads((served[0].config.presets_dir / "night-walk.json").read_text())
+    assert (saved["steps"], saved["spectrum"], saved["forecaster"]) == (7, "fast", "reuse")
 
 
 def test_status_panel_reports_the_machine(client):

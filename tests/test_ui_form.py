@@ -3,18 +3,31 @@ import json
 import pytest
 
 from anima_ui.errors import UserError
+from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, SETTINGS, canonical
 from anima_ui.ui import form
 
 
 def _request(**overrides):
-    values = dict(prompt="a cat", negative="", seed="7", cfg=4.0, steps=4, size="128x128", spectrum=False)
+    values = dict(prompt="a cat", negative="", seed="7", cfg=4.0, steps=4, size="128x128", spectrum="off")
     values.update(overrides)
     return form.build_request(**values)
 
 
 def test_form_values_become_a_request():
-    request = _request(seed="18446744073", steps=4.0, size="64 x 96", spectrum=True)
+    request = _request(seed="18446744073", steps=4.0, size="64 x 96", spectrum="on")
     assert (request.seed, request.steps, request.width, request.height, request.spectrum) == (18446744073, 4, 64, 96, True)
+    assert request.spectrum_params == canonical({"setting": "on", "forecaster": DEFAULT_FORECASTER})
+
+
+def test_the_spectrum_setting_and_forecaster_become_the_full_config():
+    request = _request(spectrum="fast", forecaster="velocity-linear", steps=28)
+    assert request.spectrum_params == {"setting": "fast", "forecaster": "velocity-linear", **SETTINGS["fast"]}
+    assert _request(spectrum="off", forecaster="sdcpp").spectrum_params == {}
+    assert _request(spectrum=True).spectrum_params["setting"] == "on"  # presets from before the settings
+    with pytest.raises(UserError, match="Spectrum must be one of off, on, fast"):
+        _request(spectrum="turbo")
+    with pytest.raises(UserError, match="Spectrum forecaster"):
+        _request(spectrum="on", forecaster="magic")
 
 
 @pytest.mark.parametrize("seed", ["", "-1", None])
@@ -46,7 +59,7 @@ def test_bad_input_is_one_line_user_error(overrides, message):
 
 def test_strict_sizes_only_allow_exported_graphs():
     with pytest.raises(UserError, match="no exported graphs"):
-        form.build_request("a", "", "1", 4, 4, "512x512", False, allowed_sizes=["1024x1024"])
+        form.build_request("a", "", "1", 4, 4, "512x512", "off", allowed_sizes=["1024x1024"])
 
 
 def test_size_choices_follow_the_backend(tmp_path):
@@ -65,11 +78,14 @@ def test_size_choices_follow_the_backend(tmp_path):
 
 def test_presets_round_trip_without_seed(tmp_path):
     stem = form.save_preset(tmp_path, "My Style!", {"prompt": "p", "negative": "n", "cfg": 5.0, "steps": 9,
-                                                     "size": "64x64", "spectrum": True, "seed": 3})
+                                                     "size": "64x64", "spectrum": "fast", "forecaster": "reuse",
+                                                     "seed": 3})
     assert stem == "my-style"
     assert form.list_presets(tmp_path) == ["my-style"]
     assert form.load_preset(tmp_path, "my-style") == {"prompt": "p", "negative": "n", "cfg": 5.0, "steps": 9,
-                                                      "size": "64x64", "spectrum": True}
+                                                      "size": "64x64", "spectrum": "fast", "forecaster": "reuse"}
+    (tmp_path / "old.json").write_text('{"steps": 9, "spectrum": true}')  # a preset from before the settings
+    assert form.load_preset(tmp_path, "old") == {"steps": 9, "spectrum": "on"}
     with pytest.raises(UserError, match="give the preset a name"):
         form.save_preset(tmp_path, "  ", {})
     (tmp_path / "broken.json").write_text("{")
@@ -85,4 +101,4 @@ def test_committed_presets_are_valid():
     assert len(names) == len(list(presets.glob("*.json"))) >= 1
     for name in names:
         values = form.load_preset(presets, name)
-        _request(**{k: v for k, v in values.items() if k in ("negative", "cfg", "steps", "size", "spectrum")})
+        _request(**{k: v for k, v in values.items() if k in ("negative", "cfg", "steps", "size", "spectrum", "forecaster")})

@@ -12,6 +12,7 @@ from anima_ui.errors import UserError
 from anima_ui.history import History, request_settings, settings_from_png
 from anima_ui.jobs import FINISHED, JobManager
 from anima_ui.pipeline import Pipeline
+from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, FORECASTERS
 from anima_ui import download
 from anima_ui.modelfiles import ModelPaths, missing_message
 from anima_ui.ui import form, system
@@ -71,14 +72,14 @@ class App:
         self.demo = self._build()
 
     # -- handlers: submit / watch / cancel -----------------------------------------------------------------------
-    def _request(self, prompt, negative, seed, cfg, steps, size, spectrum):
-        return form.build_request(prompt, negative, seed, cfg, steps, size, spectrum,
+    def _request(self, prompt, negative, seed, cfg, steps, size, spectrum, forecaster):
+        return form.build_request(prompt, negative, seed, cfg, steps, size, spectrum, forecaster,
                                   allowed_sizes=self.sizes if self.strict_sizes else None)
 
-    def generate(self, session, prompt, negative, seed, cfg, steps, size, spectrum, preview_method):
+    def generate(self, session, prompt, negative, seed, cfg, steps, size, spectrum, forecaster, preview_method):
         """-> session, inline message, fresh (tells the chained watcher whether there is a new job)."""
         try:
-            request = self._request(prompt, negative, seed, cfg, steps, size, spectrum)
+            request = self._request(prompt, negative, seed, cfg, steps, size, spectrum, forecaster)
             job = self.manager.submit(request, preview_method)
         except UserError as exc:
             return self._refused(session, exc)
@@ -91,14 +92,18 @@ class App:
         """The page keeps following what it followed; the problem shows inline."""
         return {self.ui.session: session, self.ui.message: f"⚠️ {exc}", self.ui.fresh: False}
 
-    def ab(self, session, prompt, negative, seed, cfg, steps, size, spectrum, preview_method):
-        """The same prompt and seed with Spectrum off and on; a finished twin in the history is reused."""
+    def ab(self, session, prompt, negative, seed, cfg, steps, size, spectrum, forecaster, preview_method):
+        """The same prompt and seed with Spectrum off and with the chosen setting (on when Settings say off) and
+        forecaster; a finished twin in the history is reused."""
         try:
-            base = self._request(prompt, negative, seed, cfg, steps, size, False)
+            base = self._request(prompt, negative, seed, cfg, steps, size, "off", forecaster)
+            setting = form.spectrum_setting(spectrum)
+            forecast = replace(base, spectrum=True,
+                               spectrum_params=form.spectrum_config("on" if setting == "off" else setting, forecaster))
         except UserError as exc:
             return self._refused(session, exc)
         refs, jobs = {}, []
-        for key, request in (("off", base), ("on", replace(base, spectrum=True))):
+        for key, request in (("off", base), ("on", forecast)):
             twin = self.history.find_twin(request_settings(request), request.spectrum, self.manager.model_name)
             if twin is not None:
                 refs[key] = {"item": twin.name}
@@ -176,8 +181,12 @@ class App:
 
     def _form_values(self, settings: dict, note: str) -> dict:
         ui = self.ui
+        spectrum = settings.get("spectrum_params") or {}
         update = {ui.prompt: settings["prompt"], ui.negative: settings["negative"], ui.seed: str(settings["seed"]),
-                  ui.cfg: settings["cfg"], ui.steps: settings["steps"], ui.spectrum: settings["spectrum"]}
+                  ui.cfg: settings["cfg"], ui.steps: settings["steps"],
+                  ui.spectrum: spectrum.get("setting", "on") if settings["spectrum"] else "off"}
+        if settings["spectrum"]:
+            update[ui.forecaster] = spectrum.get("forecaster", DEFAULT_FORECASTER)
         size = f"{settings['width']}x{settings['height']}"
         if self.strict_sizes and size not in self.sizes:
             note += f" ⚠️ {size} has no graphs on this backend; choose another size."
@@ -225,10 +234,11 @@ class App:
         fields = {key: getattr(ui, key) for key in form.PRESET_KEYS}
         return {fields[key]: value for key, value in values.items()} | {ui.message: f"Preset **{name}** applied."}
 
-    def save_preset(self, name, prompt, negative, cfg, steps, size, spectrum):
+    def save_preset(self, name, prompt, negative, cfg, steps, size, spectrum, forecaster):
         try:
             stem = form.save_preset(self.config.presets_dir, name, {
-                "prompt": prompt, "negative": negative, "cfg": cfg, "steps": steps, "size": size, "spectrum": spectrum})
+                "prompt": prompt, "negative": negative, "cfg": cfg, "steps": steps, "size": size, "spectrum": spectrum,
+                "forecaster": forecaster})
         except UserError as exc:
             return {self.ui.message: f"⚠️ {exc}"}
         return {self.ui.preset: gr.update(choices=form.list_presets(self.config.presets_dir), value=stem),
@@ -309,10 +319,18 @@ class App:
                 with gr.Row():
                     # No minimum/maximum: Gradio would answer out-of-range values with a toast; build_request says it inline.
                     cfg = gr.Number(label="CFG", value=4.0, step=0.5, min_width=0, elem_id="cfg")
-                    steps = gr.Number(label="Steps", value=4 if config.demo else 30, min_width=0, elem_id="steps")
+                    # the demo's tiny model runs 20 steps in seconds, and 20 steps let Spectrum forecast 9 of them
+                    steps = gr.Number(label="Steps", value=20 if config.demo else 30, min_width=0, elem_id="steps")
                 size = gr.Dropdown(self.sizes, value=self.sizes[0] if self.sizes else None, label="Size (width x height)",
                                    allow_custom_value=not self.strict_sizes, elem_id="size")
-                spectrum = gr.Checkbox(label="Spectrum (forecast about half the steps)", value=False, elem_id="spectrum")
+                with gr.Row():
+                    spectrum = gr.Radio(list(form.SPECTRUM_CHOICES), value="off", scale=2, min_width=0,
+                                        label="Spectrum: forecast steps (on: about half the model evaluations; "
+                                              "fast: half again, larger error, best at 28+ steps)",
+                                        elem_id="spectrum")
+                    forecaster = gr.Dropdown(list(FORECASTERS), value=DEFAULT_FORECASTER, scale=1, min_width=0,
+                                             label=f"Forecaster ({DEFAULT_FORECASTER}: closest to the full run)",
+                                             elem_id="spectrum-forecaster")
                 preview_method = gr.Radio(["projection", "taew2_1"] if self.has_taesd else ["projection"],
                                           value="projection", label="Preview", elem_id="preview-method")
                 preset = gr.Dropdown(form.list_presets(config.presets_dir), value=None, label="Preset", elem_id="preset")
@@ -321,7 +339,7 @@ class App:
                                              elem_id="preset-name")
                     save_preset = gr.Button("Save", scale=1, min_width=0, elem_id="save-preset")
 
-            with gr.Accordion("A/B: Spectrum off vs on", open=True, elem_id="ab-panel"):
+            with gr.Accordion("A/B: Spectrum off vs your setting", open=True, elem_id="ab-panel"):
                 ab_slider = gr.ImageSlider(label="Spectrum off | on", type="filepath", format="png", interactive=False,
                                            elem_id="ab-slider")
                 ab_text = gr.Markdown(elem_id="ab-text")
@@ -342,7 +360,7 @@ class App:
                                    api_visibility="private")
             resume = gr.Button("resume", visible="hidden", elem_id="resume")
 
-            form_inputs = [prompt, negative, seed, cfg, steps, size, spectrum, preview_method]
+            form_inputs = [prompt, negative, seed, cfg, steps, size, spectrum, forecaster, preview_method]
             watch_outputs = [view, status, ab_slider, ab_text, gallery]
             light = {"concurrency_limit": None, "show_progress": "hidden"}
             after_go = go.click(self.generate, [session, *form_inputs], [session, message, fresh], api_name="generate",
@@ -361,12 +379,12 @@ class App:
 
             dice.click(lambda: "-1", None, seed, api_visibility="private", **light)
             recycle.click(self.reuse_seed, session, seed, api_visibility="private", **light)
-            form_fields = [prompt, negative, seed, cfg, steps, size, spectrum, message]
+            form_fields = [prompt, negative, seed, cfg, steps, size, spectrum, forecaster, message]
             gallery.select(self.restore_selected, None, form_fields, api_visibility="private", **light)
             drop.upload(self.restore_png, drop, form_fields, api_name="restore_png", **light)
-            preset.input(self.apply_preset, preset, [prompt, negative, cfg, steps, size, spectrum, message],
+            preset.input(self.apply_preset, preset, [prompt, negative, cfg, steps, size, spectrum, forecaster, message],
                          api_name="apply_preset", **light)
-            save_preset.click(self.save_preset, [preset_name, prompt, negative, cfg, steps, size, spectrum],
+            save_preset.click(self.save_preset, [preset_name, prompt, negative, cfg, steps, size, spectrum, forecaster],
                               [preset, message], api_name="save_preset", **light)
             fetch.click(self.download_models, None, fetch_log, api_visibility="private", **light)
             demo.load(self.status_panel, None, status_box, api_name="status", **light)
@@ -385,7 +403,8 @@ class App:
         self.ui = SimpleNamespace(
             session=session, fresh=fresh, message=message, view=view, status=status, ab_slider=ab_slider,
             ab_text=ab_text, gallery=gallery, prompt=prompt, negative=negative, seed=seed, cfg=cfg, steps=steps,
-            size=size, spectrum=spectrum, preset=preset, big_view=big_view, big_caption=big_caption, tick=tick,
+            size=size, spectrum=spectrum, forecaster=forecaster, preset=preset, big_view=big_view,
+            big_caption=big_caption, tick=tick,
         )
         return demo
 

@@ -9,12 +9,14 @@ from anima_ui.errors import UserError
 from anima_ui.history import write_atomically
 from anima_ui.request import GenerationRequest
 from anima_ui.runtime.graphs import ready_graph_folders
+from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, SETTINGS, canonical
 
 # The model card's recommended ~1 MP sizes, plus smaller ones that are quicker on the board.
 STANDARD_SIZES = ("1024x1024", "896x1152", "1152x896", "832x1216", "1216x832", "768x768", "512x512")
 DEMO_SIZES = ("128x128", "64x64", "256x256")  # a random-weight tiny model: small is plenty
 SIZE_RE = re.compile(r"^\s*(\d+)\s*[x×]\s*(\d+)\s*$")
-PRESET_KEYS = ("prompt", "negative", "cfg", "steps", "size", "spectrum")
+PRESET_KEYS = ("prompt", "negative", "cfg", "steps", "size", "spectrum", "forecaster")
+SPECTRUM_CHOICES = ("off", *SETTINGS)
 
 
 def size_choices(backend: str, paths, demo: bool) -> list[str]:
@@ -68,7 +70,25 @@ def _number(value, name: str) -> float:
         raise UserError(f"{name} must be a number; got {value!r}") from None
 
 
-def build_request(prompt, negative, seed, cfg, steps, size, spectrum, allowed_sizes=None) -> GenerationRequest:
+def spectrum_setting(value) -> str:
+    """"off" | "on" | "fast"; True and False (presets and API clients from before the settings) mean on and off."""
+    if isinstance(value, bool) or value is None:
+        return "on" if value else "off"
+    if value not in SPECTRUM_CHOICES:
+        raise UserError(f"Spectrum must be one of {', '.join(SPECTRUM_CHOICES)}; got {value!r}")
+    return value
+
+
+def spectrum_config(spectrum, forecaster) -> dict:
+    """The request's Spectrum config written out in full ({} when off)."""
+    setting = spectrum_setting(spectrum)
+    if setting == "off":
+        return {}
+    return canonical({"setting": setting, "forecaster": forecaster or DEFAULT_FORECASTER})
+
+
+def build_request(prompt, negative, seed, cfg, steps, size, spectrum, forecaster=DEFAULT_FORECASTER,
+                  allowed_sizes=None) -> GenerationRequest:
     """An empty prompt is allowed, as in A1111: with CFG it samples the unconditional direction, a valid picture."""
     width, height = parse_size(size)
     if allowed_sizes is not None and f"{width}x{height}" not in allowed_sizes:
@@ -81,7 +101,8 @@ def build_request(prompt, negative, seed, cfg, steps, size, spectrum, allowed_si
         cfg=_number(cfg, "CFG"),
         width=width,
         height=height,
-        spectrum=bool(spectrum),
+        spectrum=spectrum_setting(spectrum) != "off",
+        spectrum_params=spectrum_config(spectrum, forecaster),
     )
 
 
@@ -98,7 +119,10 @@ def load_preset(presets_dir: Path, name: str) -> dict:
         values = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"preset file {path.name} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or delete it") from None
-    return {k: values[k] for k in PRESET_KEYS if k in values}
+    preset = {k: values[k] for k in PRESET_KEYS if k in values}
+    if "spectrum" in preset:
+        preset["spectrum"] = spectrum_setting(preset["spectrum"])
+    return preset
 
 
 def save_preset(presets_dir: Path, name: str, values: dict) -> str:

@@ -8,6 +8,7 @@ from PIL import Image
 
 from anima_ui.infotext import format_seconds
 from anima_ui.metrics import psnr, ssim
+from anima_ui.sampling.spectrum import canonical, first_forecasting_steps
 
 PHASES = {"export": "exporting the branch graphs for this size (once; minutes at full size)", "text": "encoding the prompt",
           "decode": "decoding the image", None: "starting"}
@@ -57,15 +58,30 @@ def resolve(ref: dict, manager, history):
 
 
 def ab_comparison(session: dict, manager, history) -> tuple[tuple | None, str]:
-    """(slider value (off png, on png), one-line comparison), or (None, why not)."""
+    """(slider value (off png, on png), the comparison text), or (None, why not).
+
+    A speed-up is shown only when the two runs' model evaluations differ; at equal counts the text says why Spectrum
+    forecast nothing. The text lists the steps that were forecast."""
     off, on = (resolve(session["ab"][k], manager, history) for k in ("off", "on"))
     if off is None or on is None:
         return None, "A/B incomplete: one of the two runs did not finish (see the status line)."
-    a, b = (np.asarray(Image.open(item.png_path).convert("RGB")) for item in (off, on))
+    pair = (str(off.png_path), str(on.png_path))
+    config = canonical(on.settings.get("spectrum_params") or {})
+    label = f"Spectrum {config['setting']} ({config['forecaster']})"
+    steps = on.settings["steps"]
+    evals_off, evals_on = off.summary.get("model_evals"), on.summary.get("model_evals")
+    if evals_off == evals_on:
+        needed = first_forecasting_steps(config)
+        needs = f"it needs at least {needed}" if needed else "this schedule forecasts none at any step count up to 100"
+        return pair, (f"At {steps} steps {label} forecasts no step; {needs}. Both runs computed all {steps} steps "
+                      f"({evals_on} model evaluations each), so there is no speed-up to measure.")
     t_off, t_on = (item.summary.get("seconds", {}).get("denoise") for item in (off, on))
-    timing = f"Spectrum off {format_seconds(t_off)} · on {format_seconds(t_on)}"
+    timing = f"Spectrum off {format_seconds(t_off)} · {label} {format_seconds(t_on)}"
     if t_off and t_on:
         timing += f" · speed-up {t_off / t_on:.2f}×"
-    evals = f" · model evaluations {off.summary.get('model_evals')} vs {on.summary.get('model_evals')}"
+    evals = f" · model evaluations {evals_off} vs {evals_on}"
+    forecast = [record["step"] for record in on.summary.get("per_step", []) if not record.get("computed", True)]
+    steps_line = f"Forecast steps ({len(forecast)} of {steps}): {', '.join(map(str, forecast))}"
+    a, b = (np.asarray(Image.open(item.png_path).convert("RGB")) for item in (off, on))
     quality = f"PSNR {psnr(a, b, peak=255.0):.2f} dB · SSIM {ssim(a, b):.4f}"
-    return (str(off.png_path), str(on.png_path)), f"{timing}{evals}\n\n{quality}"
+    return pair, f"{timing}{evals}\n\n{steps_line}\n\n{quality}"
