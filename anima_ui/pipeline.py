@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
 from anima_ui.errors import Cancelled, UserError
-from anima_ui.model.checkpoint import load_dit, split_adapter
+from anima_ui.model.checkpoint import ADAPTER_PREFIX, load_dit
+from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.request import GenerationRequest
 from anima_ui.runtime import BACKENDS, open_runtime
@@ -28,11 +30,13 @@ from anima_ui.sampling.euler import StepInfo, euler_steps
 from anima_ui.sampling.noise import initial_noise
 from anima_ui.sampling.schedule import simple_sigmas
 from anima_ui.sampling.spectrum import Spectrum
+from anima_ui.text.encoder import TextEncoder, open_networks
 from anima_ui.vae.decode import DECODERS, decode_latent
 
-# torch is optional (requirements-dev.txt; the board installs none), and four modules still import it at their top:
-# the forward (for its torch reference), the text encoder, the torch backend and the ONNX exporter. They are
-# imported where they are used, so the app starts and reports a missing torch as a failed job instead of not starting.
+CACHED_CONTEXTS = 4  # positive + negative of the current job and of the previous one
+
+# torch is optional (requirements-dev.txt; the board installs none): only the torch backend and the ONNX exporter
+# import it, and they are imported where they are used.
 
 
 @dataclass
@@ -69,13 +73,14 @@ Event = PhaseEvent | StepEvent | ResultEvent
 
 
 class Pipeline:
-    """The loaded model: DiT host weights, the text encoder, the branch runtime choice and the VAE path."""
+    """The loaded model: DiT host weights, the branch runtime choice, the VAE path, and the contexts of the
+    last few prompts. The text encoder is opened only to encode a prompt that is not among them."""
 
-    def __init__(self, paths, config, weights, text_encoder, backend: str, runtime_options: dict, decoder: str = "sdcpp"):
+    def __init__(self, paths, config, weights, backend: str, runtime_options: dict, decoder: str = "sdcpp"):
         self.paths = paths
         self.config = config
         self.weights = weights
-        self.text_encoder = text_encoder
+        self._contexts: OrderedDict[str, np.ndarray] = OrderedDict()
         self.backend = backend
         self.runtime_options = runtime_options
         self.decoder = decoder
@@ -89,13 +94,15 @@ class Pipeline:
         if decoder not in DECODERS:
             raise UserError(f"unknown VAE decoder {decoder!r}: choose one of {', '.join(DECODERS)}")
         paths = ModelPaths.find(models_dir)
-        # Graph backends hold the branch weights in their graphs: the host keeps only its own tensors
-        # (1.2 GB instead of 8.4 GB in fp32 at full size), which is what fits next to the NPU on an 8 GB board.
-        config, state = load_dit(paths.dit) if backend == "torch" else load_host_weights(paths.dit)
-        from anima_ui.text.encoder import TextEncoder  # torch: see the note at the top
-
-        text_encoder = TextEncoder.load(paths, split_adapter(state))
-        return cls(paths, config, state, text_encoder, backend, runtime_options, decoder)
+        # Graph backends hold the branch weights in their graphs: the host keeps only its own tensors (0.4 GB of
+        # bf16 at full size instead of 8.4 GB of float32), which is what fits next to the NPU on an 8 GB board.
+        # No backend keeps the LLM adapter's: the text encoder reads them from the file while it runs.
+        if backend == "torch":
+            config, state = load_dit(paths.dit, keep=lambda key: not key.startswith(ADAPTER_PREFIX))
+        else:
+            config, state = load_host_weights(paths.dit)
+        open_networks(paths)  # a broken text encoder file fails here, not at the first prompt
+        return cls(paths, config, state, backend, runtime_options, decoder)
 
     # -- one generation ---------------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
@@ -159,19 +166,27 @@ class Pipeline:
         kv, rope = self._conditioning(request)
         return self._x0_predictor(request, kv, rope, self.open_runtime(None, threading.Event()))
 
+    def contexts(self, prompts: list[str]) -> list[np.ndarray]:
+        """Read-only contexts [1, 512, C], from the cache when the prompt was encoded recently; a text encoder
+        is opened for the others and dropped once they are encoded."""
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._contexts]
+        if missing:
+            for prompt, context in zip(missing, TextEncoder.load(self.paths).encode(missing)):
+                context.flags.writeable = False
+                self._contexts[prompt] = context
+        for prompt in prompts:
+            self._contexts.move_to_end(prompt)
+        contexts = [self._contexts[p] for p in prompts]
+        while len(self._contexts) > CACHED_CONTEXTS:
+            self._contexts.popitem(last=False)
+        return contexts
     def _conditioning(self, request):
-        from anima_ui.model.forward import prepare_kv, prepare_rope  # torch: see the note at the top
-
-        contexts = [self.text_encoder.encode(request.prompt)]
-        if request.uses_uncond:
-            contexts.append(self.text_encoder.encode(request.negative))
+        contexts = self.contexts([request.prompt, request.negative] if request.uses_uncond else [request.prompt])
         kv = prepare_kv(self.weights, np.concatenate(contexts, axis=0))
         rope = prepare_rope(self.config, request.height // 8, request.width // 8)
         return kv, rope
 
     def _x0_predictor(self, request, kv, rope, runtime):
-        from anima_ui.model.forward import dit_forward  # torch: see the note at the top
-
         batch = 2 if request.uses_uncond else 1
 
         def predict_x0(x_t, sigma):

@@ -23,6 +23,7 @@ class NoTorch:
             raise ImportError("torch is blocked in this test: the board has none")
 
 sys.meta_path.insert(0, NoTorch())
+sys.modules["torch"] = None  # importlib.util.find_spec("torch") then answers None, as when torch is not installed
 """
 
 # Gradio 6.31's queue analytics call pandas APIs that pandas 3 deprecates; not ours to fix.

@@ -9,7 +9,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from anima_ui.model.branches import BRANCH_CLASSES, BRANCH_INPUTS, block_weights, cross_attention_kv
+from anima_ui.model.branches import BRANCH_CLASSES, BRANCH_INPUTS
+from anima_ui.model.host import block_weights, cross_attention_kv
 from anima_ui.model.forward import prepare_rope
 
 # Static-shape plain ops (no Shape/Gather, no complex numbers, no fused attention): what the RKNN converter maps.

@@ -12,7 +12,8 @@ import pytest
 
 from anima_ui.fixtures.weights import random_dit_state
 from anima_ui.model.config import AnimaConfig
-from anima_ui.model.forward import TorchBranches, dit_forward, prepare_kv, prepare_rope
+from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
+from anima_ui.model.reference import TorchBranches
 
 NEEDED_BYTES = 11 * 2**30  # weights + block modules' shared views + activations, with headroom
 

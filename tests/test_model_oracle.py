@@ -18,7 +18,7 @@ from anima_ui.model.adapter import llm_adapter_forward, pad_context
 from anima_ui.fixtures.weights import random_dit_state
 from anima_ui.model.checkpoint import split_adapter
 from anima_ui.model.config import AnimaConfig
-from anima_ui.model.forward import TorchBranches, reference_forward
+from anima_ui.model.reference import TorchBranches, reference_forward
 
 TOLERANCE = 1e-5  # the brief asks < 1e-4; errors are ~4e-7, and a tanh-GELU bug gives 8e-5
 

@@ -14,19 +14,12 @@ from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3Mod
 
 from anima_ui.errors import UserError
 from anima_ui.fixtures.model import write_random_model
-from anima_ui.fixtures.weights import (
-    FULL_TEXT_ENCODER,
-    TextEncoderShape,
-    qwen3_param_shapes,
-    text_encoder_shape,
-    write_random_text_encoder,
-)
-from anima_ui.model.checkpoint import load_dit, split_adapter
+from anima_ui.fixtures.weights import text_encoder_shape, write_random_text_encoder
 from anima_ui.model.config import AnimaConfig
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.text.encoder import TextEncoder
 from anima_ui.text.prompt_file import read_prompt_file
-from anima_ui.text.qwen3 import final_hidden_states, load_qwen3, qwen3_config_from_shapes
+from anima_ui.text.qwen3 import QWEN3_06B, Qwen3, Qwen3Shape, qwen3_param_shapes, qwen3_shape_from
 
 PROMPT = "1girl, solo, long hair, looking at viewer, smile, cherry blossoms"
 
@@ -40,13 +33,12 @@ def paths(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dit_state(paths):
-    return load_dit(paths.dit)[1]
+def encoder(paths):
+    return TextEncoder.load(paths)
 
 
-@pytest.fixture(scope="module")
-def encoder(paths, dit_state):
-    return TextEncoder.load(paths, split_adapter(dit_state))
+def encode(encoder, prompt):
+    return encoder.encode([prompt])[0]
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +60,36 @@ def hf_folder(paths, tmp_path_factory) -> Path:
 
 
 def test_hidden_states_equal_transformers_loaded_the_standard_way(encoder, paths, hf_folder):
+    """The NumPy Qwen3 against transformers' Qwen3ForCausalLM / Qwen3Model in float32: a prompt and a long
+    random sequence (causal mask, RoPE and GQA over 300 positions), encoded together as the pipeline does."""
     ids = encoder.tokenizer(PROMPT).qwen_ids
-    ours = final_hidden_states(load_qwen3(paths.text_encoder), ids)
+    long_ids = np.random.default_rng(3).integers(0, 448, 300).tolist()
+    ours = Qwen3(paths.text_encoder).final_hidden_states([ids, long_ids])
     causal_lm = Qwen3ForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
     base = Qwen3Model.from_pretrained(hf_folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        last_hidden = causal_lm(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1].numpy()
-        last_state = base(torch.tensor([ids])).last_hidden_state.numpy()
-    assert ours.shape == (1, len(ids), AnimaConfig.tiny().adapter_source_dim) and ours.dtype == np.float32
-    np.testing.assert_allclose(ours, last_hidden, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ours, last_state, rtol=1e-5, atol=1e-5)
+    for sequence, hidden in zip([ids, long_ids], ours):
+        with torch.no_grad():
+            last_hidden = causal_lm(torch.tensor([sequence]), output_hidden_states=True).hidden_states[-1].numpy()
+            last_state = base(torch.tensor([sequence])).last_hidden_state.numpy()
+        assert hidden.shape == (1, len(sequence), AnimaConfig.tiny().adapter_source_dim) and hidden.dtype == np.float32
+        print(f"\nQwen3 {len(sequence)} tokens: max abs difference {np.abs(hidden - last_state).max():.2e}")
+        np.testing.assert_allclose(hidden, last_hidden, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(hidden, last_state, rtol=1e-5, atol=1e-5)
+
+
+def test_sequences_encoded_together_equal_each_alone(paths):
+    qwen3 = Qwen3(paths.text_encoder)
+    a, b = [1, 2, 3], [7, 8, 9, 10, 11]
+    together = qwen3.final_hidden_states([a, b])
+    np.testing.assert_array_equal(together[0], qwen3.final_hidden_states([a])[0])
+    np.testing.assert_array_equal(together[1], qwen3.final_hidden_states([b])[0])
+    # causal: a prefix's states do not depend on what follows it
+    np.testing.assert_allclose(together[1][:, :2], qwen3.final_hidden_states([[7, 8]])[0], rtol=1e-6, atol=1e-6)
+
+
+def test_token_ids_outside_the_embedding_are_refused(paths):
+    with pytest.raises(UserError, match="outside the text encoder's 512 rows"):
+        Qwen3(paths.text_encoder).final_hidden_states([[3, 512]])
 
 
 def test_context_equals_diffusers_anima_text_path(encoder, paths, hf_folder):
@@ -99,12 +111,12 @@ def test_context_equals_diffusers_anima_text_path(encoder, paths, hf_folder):
         t5_ids, t5_mask = AnimaTextEncoderStep._get_t5_prompt_ids(components, PROMPT, 512, "cpu")
         expected = conditioner(qwen, t5_ids, target_attention_mask=t5_mask, source_attention_mask=qwen_mask).numpy()
     assert t5_ids[0].tolist() == encoder.tokenizer(PROMPT).t5_ids
-    np.testing.assert_allclose(encoder.encode(PROMPT), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(encode(encoder, PROMPT), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_context_shape_and_zero_beyond_the_t5_length(encoder):
     for prompt in ["", PROMPT]:
-        context = encoder.encode(prompt)
+        context = encode(encoder, prompt)
         length = len(encoder.tokenizer(prompt).t5_ids)
         assert context.shape == (1, 512, AnimaConfig.tiny().context_dim) and context.dtype == np.float32
         assert np.all(np.abs(context[0, :length]).sum(axis=-1) > 0)
@@ -112,55 +124,35 @@ def test_context_shape_and_zero_beyond_the_t5_length(encoder):
 
 
 def test_t5_weights_scale_the_adapter_output(encoder):
-    plain, weighted = encoder.encode("rain"), encoder.encode("(rain:2.0)")
+    plain, weighted = encoder.encode(["rain", "(rain:2.0)"])
     n = len(encoder.tokenizer("rain").t5_ids) - 1  # the end token keeps weight 1
     np.testing.assert_allclose(weighted[0, :n], 2 * plain[0, :n], rtol=1e-6)
     np.testing.assert_array_equal(weighted[0, n:], plain[0, n:])
 
 
-def test_whole_dit_state_or_adapter_weights_give_the_same_encoder(paths, dit_state, encoder):
-    from_state = TextEncoder.load(paths, dit_state)
-    np.testing.assert_array_equal(from_state.encode(PROMPT), encoder.encode(PROMPT))
-
-
-def test_cache_reuses_recent_prompts_and_evicts_old_ones(paths, dit_state):
-    encoder = TextEncoder.load(paths, dit_state)
-    first = encoder.encode("negative")
-    assert encoder.encode("negative") is first
-    assert not first.flags.writeable
-    for i in range(4):
-        encoder.encode(f"prompt {i}")
-    again = encoder.encode("negative")
-    assert again is not first
-    np.testing.assert_array_equal(again, first)
-
-
 def test_too_long_prompt_is_one_line_error(encoder):
     with pytest.raises(UserError) as excinfo:
-        encoder.encode("rain, " * 400)
+        encode(encoder, "rain, " * 400)
     assert "512" in str(excinfo.value) and "\n" not in str(excinfo.value)
 
 
-def test_config_is_inferred_from_full_size_shapes():
-    shapes = {k[len("model."):]: v for k, v in qwen3_param_shapes(FULL_TEXT_ENCODER).items()}
-    config = qwen3_config_from_shapes(shapes)
-    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (151936, 1024, 28)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size) == (16, 8, 128, 3072)
-    assert config.rope_parameters["rope_theta"] == 1_000_000.0
+def test_shape_is_inferred_from_full_size_shapes():
+    shapes = qwen3_param_shapes(QWEN3_06B)
+    assert qwen3_shape_from(shapes) == QWEN3_06B
     # anima_model.md §9: 310 tensors, 596,049,920 parameters
     assert len(shapes) == 310 and sum(prod(s) for s in shapes.values()) == 596_049_920
 
 
-def test_text_encoder_narrower_than_the_adapter_is_refused(paths, dit_state, tmp_path):
-    narrow = TextEncoderShape(vocab=512, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=64, endoftext_id=448)
+def test_text_encoder_narrower_than_the_adapter_is_refused(paths, tmp_path):
+    narrow = Qwen3Shape(vocab=512, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=64)
     write_random_text_encoder(tmp_path / "te.safetensors", narrow, seed=0)
     other = ModelPaths(**{**paths.__dict__, "text_encoder": tmp_path / "te.safetensors"})
     with pytest.raises(UserError, match="does not match the adapter"):
-        TextEncoder.load(other, dit_state)
+        TextEncoder.load(other)
 
 
 def test_text_encoder_missing_a_tensor_is_named(tmp_path):
-    te = TextEncoderShape(vocab=512, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64, endoftext_id=448)
+    te = Qwen3Shape(vocab=512, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64)
     path = tmp_path / "te.safetensors"
     write_random_text_encoder(path, te, seed=0)
     weights = load_file(str(path))
@@ -169,7 +161,7 @@ def test_text_encoder_missing_a_tensor_is_named(tmp_path):
 
     save_file(weights, str(path))
     with pytest.raises(UserError, match="model.layers.1.mlp.up_proj.weight"):
-        load_qwen3(path)
+        Qwen3(path)
 
 
 def test_prompt_file_reads_utf8_and_drops_the_final_newline(tmp_path):
@@ -191,3 +183,31 @@ def test_unreadable_prompt_file_is_one_line_error(tmp_path, case):
     assert str(path) in message and "\n" not in message
     if case == "latin1":
         assert "UTF-8" in message
+
+
+def test_pipeline_keeps_recent_contexts_and_opens_an_encoder_only_for_new_prompts(paths, encoder, monkeypatch):
+    """A repeated prompt costs nothing (no encoder is opened); an encoder is dropped after encoding."""
+    from anima_ui import pipeline as pipeline_module
+
+    opened = []
+    real_load = pipeline_module.TextEncoder.load
+
+    def counting_load(model_paths):
+        opened.append(real_load(model_paths))
+        return opened[-1]
+
+    monkeypatch.setattr(pipeline_module.TextEncoder, "load", counting_load)
+    pipeline = pipeline_module.Pipeline.load(paths.root, backend="onnx")
+    positive, negative = pipeline.contexts([PROMPT, ""])
+    assert len(opened) == 1
+    np.testing.assert_array_equal(positive, encode(encoder, PROMPT))
+    assert not positive.flags.writeable
+    again = pipeline.contexts([PROMPT, ""])
+    assert len(opened) == 1 and again[0] is positive and again[1] is negative
+    for i in range(3):  # 4 contexts are kept: the 3 newest prompts and the most recently used of the two
+        pipeline.contexts([f"prompt {i}", ""])
+    assert len(opened) == 4
+    reencoded = pipeline.contexts([PROMPT])[0]
+    assert len(opened) == 5 and reencoded is not positive
+    np.testing.assert_array_equal(reencoded, positive)
+    assert pipeline.contexts([""])[0] is negative  # used by every call, never evicted

@@ -27,10 +27,12 @@ from torch import nn
 from anima_ui.errors import UserError
 from anima_ui.fixtures.model import write_random_model
 from anima_ui.fixtures.weights import write_random_dit
-from anima_ui.model.branches import CrossAttentionBranch, block_weights, cross_attention_kv, head_rms_norm
+from anima_ui.model.branches import CrossAttentionBranch, head_rms_norm
 from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
-from anima_ui.model.forward import TorchBranches, dit_forward, prepare_kv, prepare_rope
+from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
+from anima_ui.model.host import block_weights, cross_attention_kv
+from anima_ui.model.reference import TorchBranches
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime import board_latency, open_runtime
 from anima_ui.runtime.graphs import graphs_ready
@@ -219,10 +221,8 @@ def _peak_rss_gib() -> float:
 
 
 def _variant_onnx(models, graphs, width, height) -> dict:
-    cfg, weights = load_host_weights(ModelPaths.find(models).dit, with_adapter=False)
+    cfg, weights = load_host_weights(ModelPaths.find(models).dit)
     x, kv, rope = conditioning(cfg, weights, width, height)
-    for key in [k for k in weights if ".cross_attn.k_proj." in k or ".cross_attn.v_proj." in k]:
-        del weights[key]  # only prepare_kv needs them, once per prompt
     with open_runtime("onnx", graphs, prefetch=True, max_contexts=2) as runtime:
         step = cfg_step_runner(weights, runtime, kv, rope)
         started = time.perf_counter()
@@ -241,7 +241,7 @@ def _variant_cross_attention(models, graphs, width, height) -> dict:
 
     from anima_ui.convert.export import export_branch
 
-    cfg, host = load_host_weights(_dit_path(models), with_adapter=False)
+    cfg, host = load_host_weights(_dit_path(models))
     rng = np.random.default_rng(0)
     prompt = rng.standard_normal((2, cfg.context_len, cfg.context_dim)).astype(np.float32)
     started = time.perf_counter()
@@ -363,7 +363,7 @@ def board_table(args) -> int:
         raise UserError("--board needs --models DIR (the folder with rknn/WxH from `anima-ui convert-rknn`)")
     paths = ModelPaths.find(args.models)
     graphs = paths.rknn_dir(args.width, args.height) if args.backend == "rknn" else paths.exported_dir(args.width, args.height)
-    cfg, weights = load_host_weights(paths.dit, with_adapter=False)
+    cfg, weights = load_host_weights(paths.dit)
     x, kv, _ = conditioning(cfg, weights, args.width, args.height)
     rope = prepare_rope(cfg, args.height // 8, args.width // 8)
     sigmas = simple_sigmas(args.steps)

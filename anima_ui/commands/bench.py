@@ -7,8 +7,10 @@ import importlib
 from anima_ui.cli import OneLineErrorParser
 
 BENCHMARKS = {
+    "memory": "peak RSS of the app process per generation phase and of verify, against the board's budget",
     "runtime": "split runtime: simulated board serial vs prefetch; onnxruntime vs torch on this machine",
     "spectrum": "Spectrum quality vs full computation and vs fewer Euler steps",
+    "text": "Qwen3 text encoder per prompt: NumPy (the app's), onnxruntime, torch; seconds and peak RSS",
     "vae": "decode seconds and peak RSS of every decoder; preview cost per step",
 }
 

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from anima_ui.errors import UserError
-from anima_ui.model.branches import BRANCH_CLASSES, BRANCH_INPUTS, block_weights
+from anima_ui.model.branches import BRANCH_CLASSES, BRANCH_INPUTS
 from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
+from anima_ui.model.host import block_weights
 from anima_ui.runtime.manifest import GraphEntry, Manifest, TensorSpec, sha256_file
 
 OPSET = 19

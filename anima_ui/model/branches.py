@@ -9,13 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anima_ui.model.host import EPS, rms_norm
-
-
-def block_weights(state: dict[str, np.ndarray], block: int) -> dict[str, np.ndarray]:
-    """One block's tensors with the `blocks.{i}.` prefix removed."""
-    prefix = f"blocks.{block}."
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+from anima_ui.model.host import EPS
 
 
 def _frozen(array: np.ndarray) -> nn.Parameter:
@@ -102,12 +96,3 @@ BRANCH_CLASSES = {"self_attn": SelfAttentionBranch, "cross_attn": CrossAttention
 # ONNX input names of each kind, in argument order (the output is always `out`).
 BRANCH_INPUTS = {"self_attn": ("h", "rope_cos", "rope_sin"), "cross_attn": ("h", "k", "v"), "mlp": ("h",)}
 
-
-def cross_attention_kv(weights: dict[str, np.ndarray], context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """context [B,S,C] -> (k, v) [B,S,D] for one block: k_proj then per-head k_norm; v_proj. Once per prompt."""
-    k = context @ weights["cross_attn.k_proj.weight"].T
-    v = context @ weights["cross_attn.v_proj.weight"].T
-    norm = weights["cross_attn.k_norm.weight"]
-    b, s, d = k.shape
-    heads = k.reshape(b, s, d // norm.shape[0], norm.shape[0])
-    return rms_norm(heads, norm).reshape(b, s, d).astype(np.float32), v.astype(np.float32)

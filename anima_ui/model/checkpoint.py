@@ -6,13 +6,11 @@ import numpy as np
 
 from anima_ui.errors import UserError
 from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
-from anima_ui.modelfiles import read_safetensors_header
+from anima_ui.model.tensor_file import TensorFile
 
 # Release files root their keys at one of these (ComfyUI and diffusion-pipe strip the same ones).
 KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
 ADAPTER_PREFIX = "llm_adapter."
-
-_SAFETENSORS_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 
 
 def dit_param_shapes(cfg: AnimaConfig) -> dict[str, tuple]:
@@ -81,36 +79,24 @@ def strip_prefix(key: str) -> str:
     return key
 
 
+def open_dit(path) -> tuple[AnimaConfig, TensorFile]:
+    """The DiT file with its keys' prefix stripped, every expected tensor's presence and shape checked
+    (unknown keys are ignored); nothing is read yet."""
+    path = Path(path)
+    file = TensorFile(path, rename=strip_prefix)
+    shapes = file.shapes
+    cfg = AnimaConfig.from_shapes(shapes)
+    for key, shape in dit_param_shapes(cfg).items():
+        if key not in shapes:
+            raise UserError(f"{path.name}: tensor {key!r} is missing; the file is incomplete or not an Anima model (re-download it)")
+        if shapes[key] != shape:
+            raise UserError(f"{path.name}: tensor {key!r} has shape {shapes[key]}, expected {shape} (re-download the file)")
+    return cfg, file
+
+
 def load_dit(path, dtype=np.float32, keep=None) -> tuple[AnimaConfig, dict[str, np.ndarray]]:
     """Read an Anima DiT safetensors file without torch. Unknown keys are ignored; a missing or misshapen
     tensor, or a damaged file, raises UserError. `keep(key) -> bool` reads only some tensors (every key is
     still checked): the graph backends need only the host's."""
-    path = Path(path)
-    header, data_start = read_safetensors_header(path)
-    entries = {strip_prefix(k): v for k, v in header.items() if k != "__metadata__"}
-    cfg = AnimaConfig.from_shapes({k: tuple(v["shape"]) for k, v in entries.items()})
-    expected = dit_param_shapes(cfg)
-    for key, shape in expected.items():
-        if key not in entries:
-            raise UserError(f"{path.name}: tensor {key!r} is missing; the file is incomplete or not an Anima model (re-download it)")
-        if tuple(entries[key]["shape"]) != shape:
-            raise UserError(
-                f"{path.name}: tensor {key!r} has shape {tuple(entries[key]['shape'])}, expected {shape} (re-download the file)"
-            )
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    state = {key: _tensor(path, raw, data_start, key, entries[key], dtype) for key in expected if keep is None or keep(key)}
-    return cfg, state
-
-
-def _tensor(path: Path, raw: np.memmap, data_start: int, key: str, entry: dict, dtype) -> np.ndarray:
-    stored = _SAFETENSORS_DTYPES.get(entry["dtype"])
-    if stored is None:
-        raise UserError(f"{path.name}: tensor {key!r} is {entry['dtype']}; only BF16, F16 and F32 files are supported")
-    begin, end = entry["data_offsets"]
-    if end - begin != int(np.prod(entry["shape"])) * np.dtype(stored).itemsize:
-        raise UserError(f"{path.name}: tensor {key!r} has a damaged header entry (size does not match its shape); re-download the file")
-    values = raw[data_start + begin:data_start + end].view(stored).reshape(entry["shape"])
-    if entry["dtype"] == "BF16":
-        # bf16 is the top half of a float32
-        return (values.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)
-    return np.array(values, dtype=dtype)  # a copy: never hand out views of the read-only file map
+    cfg, file = open_dit(path)
+    return cfg, {key: file.read(key, dtype) for key in dit_param_shapes(cfg) if keep is None or keep(key)}

@@ -7,14 +7,13 @@ cross_attn, mlp, block 1 self_attn, … — and every visit carries the whole ba
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from anima_ui.errors import UserError
 from anima_ui.model import host
-from anima_ui.model.branches import BRANCH_CLASSES, BRANCH_INPUTS, block_weights, cross_attention_kv
 from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
 
 RunBranch = Callable[[int, str, dict], np.ndarray]
+CROSS_ATTENTION_KV_TENSORS = ("cross_attn.k_proj.weight", "cross_attn.v_proj.weight", "cross_attn.k_norm.weight")
 
 
 def dit_forward(
@@ -77,51 +76,15 @@ def prepare_kv(weights: dict[str, np.ndarray], contexts: np.ndarray) -> list[tup
     used = _used_rows(contexts)
     kv = []
     for i in range(num_blocks(weights)):
-        k, v = cross_attention_kv(block_weights(weights, i), contexts[:, :used])
-        padding = ((0, 0), (0, contexts.shape[1] - used), (0, 0))
-        kv.append((np.pad(k, padding), np.pad(v, padding)))
+        block = {name: weights[f"blocks.{i}.{name}"] for name in CROSS_ATTENTION_KV_TENSORS}
+        k, v = host.cross_attention_kv(block, contexts[:, :used])
+        # np.zeros leaves the padding rows' pages untouched (calloc), so they cost no memory until read
+        padded = np.zeros((2, *contexts.shape[:2], k.shape[2]), np.float32)
+        padded[0, :, :used], padded[1, :, :used] = k, v
+        kv.append((padded[0], padded[1]))
     return kv
 
 
 def _used_rows(contexts: np.ndarray) -> int:
     nonzero_rows = np.flatnonzero(np.any(contexts != 0, axis=(0, 2)))
     return int(nonzero_rows[-1]) + 1 if nonzero_rows.size else 0
-
-
-class TorchBranches:
-    """`run_branch` over the torch branch modules (the float32 reference); each module is built on first use."""
-
-    def __init__(self, weights: dict[str, np.ndarray], cfg: AnimaConfig):
-        self.weights = weights
-        self.cfg = cfg
-        self.modules: dict[tuple[int, str], torch.nn.Module] = {}
-
-    def module(self, block: int, kind: str) -> torch.nn.Module:
-        if not 0 <= block < self.cfg.num_blocks:
-            raise IndexError(f"block {block} out of range: the model has {self.cfg.num_blocks}")
-        if (block, kind) not in self.modules:
-            self.modules[(block, kind)] = BRANCH_CLASSES[kind](block_weights(self.weights, block)).eval()
-        return self.modules[(block, kind)]
-
-    def __call__(self, block: int, kind: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        module = self.module(block, kind)
-        args = [torch.from_numpy(np.ascontiguousarray(inputs[name], dtype=np.float32)) for name in BRANCH_INPUTS[kind]]
-        with torch.inference_mode():
-            return module(*args).numpy()
-
-
-def reference_forward(
-    weights: dict[str, np.ndarray],
-    x: np.ndarray,
-    sigma: np.ndarray,
-    context: np.ndarray,
-    branches: TorchBranches | None = None,
-    on_block: Callable[[int, np.ndarray], None] | None = None,
-) -> np.ndarray:
-    """The whole DiT in float32 on this machine: `dit_forward` with the torch branch modules.
-    Pass `branches` to reuse modules across calls."""
-    cfg = AnimaConfig.from_shapes({k: v.shape for k, v in weights.items()})
-    branches = branches or TorchBranches(weights, cfg)
-    kv = prepare_kv(weights, context)
-    rope = prepare_rope(cfg, x.shape[2], x.shape[3])
-    return dit_forward(weights, branches, x, sigma, kv, rope, on_block=on_block)

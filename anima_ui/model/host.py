@@ -120,3 +120,20 @@ def final_layer(weights: dict, x: np.ndarray, e: np.ndarray, lora: np.ndarray) -
     """AdaLN (shift, scale; L's first 2·D entries) then the linear to p·p·C features: [B, N, p·p·C]."""
     shift, scale = modulation(weights, "final_layer.adaln_modulation", silu(e), lora, 2)
     return adaln(x, shift, scale) @ weights["final_layer.linear.weight"].T
+
+
+def block_weights(state, block: int) -> dict[str, np.ndarray]:
+    """One block's tensors with the `blocks.{i}.` prefix removed (only those are looked up: `state` may read
+    or widen a tensor on every lookup)."""
+    prefix = f"blocks.{block}."
+    return {k[len(prefix):]: state[k] for k in state if k.startswith(prefix)}
+
+
+def cross_attention_kv(weights: dict[str, np.ndarray], context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """context [B,S,C] -> (k, v) [B,S,D] for one block: k_proj then per-head k_norm; v_proj. Once per prompt."""
+    k = context @ weights["cross_attn.k_proj.weight"].T
+    v = context @ weights["cross_attn.v_proj.weight"].T
+    norm = weights["cross_attn.k_norm.weight"]
+    b, s, d = k.shape
+    heads = rms_norm(k.reshape(b, s, d // norm.shape[0], norm.shape[0]), norm)
+    return heads.reshape(b, s, d).astype(np.float32), v.astype(np.float32)

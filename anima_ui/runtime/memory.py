@@ -88,3 +88,27 @@ class MemoryGate:
                     f"{self.status.message} after waiting {self.wait_seconds:g} s; close other programs or lower the floor (--mem-floor-gib)"
                 )
             time.sleep(poll_seconds)
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (VmRSS)."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark (VmHWM) since it started or since reset_peak_rss()."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_peak_rss() -> None:
+    """Start a new VmHWM window (Linux: 5 written to clear_refs resets the mark to the current RSS)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")

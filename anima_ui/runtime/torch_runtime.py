@@ -10,7 +10,7 @@ import numpy as np
 
 from anima_ui.errors import Cancelled
 from anima_ui.model.config import AnimaConfig
-from anima_ui.model.forward import TorchBranches
+from anima_ui.model.reference import TorchBranches
 
 
 class TorchRuntime:

@@ -7,10 +7,14 @@
   each T5 token carries its segment's weight (the end token 1.0).
 """
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import Qwen2TokenizerFast, T5TokenizerFast
+# Without torch (the board) transformers announces at import that its models are unavailable; only its
+# tokenizers are used here, so that notice is noise.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+from transformers import Qwen2TokenizerFast, T5TokenizerFast  # noqa: E402
 
 from anima_ui.errors import UserError
 from anima_ui.text.prompt_weights import parse_prompt_weights
