@@ -16,7 +16,7 @@ import pytest
 
 from anima_ui.bench.memory import BUDGET_GB
 from anima_ui.cli import main
-from anima_ui.commands.random_model import write_random_model
+from anima_ui.fixtures.model import write_random_model
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from anima_ui.cli import main
-from anima_ui.commands.random_model import write_random_model
+from anima_ui.fixtures.model import write_random_model
 from anima_ui.vae.decode import DECODERS
 
 # Runs `anima-ui ARGS...` as if torch were not installed: `import torch` (and any torch.*) raises
