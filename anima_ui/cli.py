@@ -12,6 +12,7 @@ from anima_ui.errors import UserError
 COMMANDS = {
     "random-model": ("random_model", "write a random-weight model folder in the official layout"),
     "generate": ("generate", "text -> image, end to end"),
+    "prepare": ("prepare", "download, export and convert for the board in one resumable command (PC or board)"),
     "export": ("export", "export the 84 DiT branch graphs to ONNX for one resolution"),
     "convert-rknn": ("convert_rknn", "convert exported ONNX graphs to RKNN (needs .venv-rknn)"),
     "verify": ("verify", "compare the split runtime with the reference forward"),

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import numpy as np
 
+from anima_ui.convert.model_graphs import export_model_graphs
 from anima_ui.errors import Cancelled, UserError
 from anima_ui.model.checkpoint import ADAPTER_PREFIX, load_dit
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
@@ -35,8 +36,8 @@ from anima_ui.vae.decode import DECODERS, decode_latent
 
 CACHED_CONTEXTS = 4  # positive + negative of the current job and of the previous one
 
-# torch is optional (requirements-dev.txt; the board installs none): only the torch backend and the ONNX exporter
-# import it, and they are imported where they are used.
+# torch is optional (requirements-dev.txt; the board installs none): only the torch backend imports it, and it is
+# imported where it is used, so the app starts and reports a missing torch as a failed job instead of not starting.
 
 
 @dataclass
@@ -112,8 +113,6 @@ class Pipeline:
 
         graphs = graphs_dir(self.paths, self.backend, request.width, request.height)
         if graphs is not None and not graphs_ready(graphs):
-            from anima_ui.convert.model_graphs import export_model_graphs  # torch: see the note at the top
-
             yield PhaseEvent("export")
             t0 = time.perf_counter()
             export_model_graphs(self.paths, request.width, request.height, graphs)

@@ -5,10 +5,10 @@ import pytest
 
 from anima_ui.errors import UserError
 from anima_ui.model.adapter import llm_adapter_forward, pad_context
-from anima_ui.model.branches import BRANCH_INPUTS
-from anima_ui.model.host import block_weights, cross_attention_kv
 from anima_ui.model.checkpoint import split_adapter
+from anima_ui.model.config import BRANCH_INPUTS
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
+from anima_ui.model.host import block_weights, cross_attention_kv
 from anima_ui.model.reference import TorchBranches, reference_forward
 
 

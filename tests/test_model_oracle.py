@@ -18,7 +18,10 @@ from anima_ui.model.adapter import llm_adapter_forward, pad_context
 from anima_ui.fixtures.weights import random_dit_state
 from anima_ui.model.checkpoint import split_adapter
 from anima_ui.model.config import AnimaConfig
+from anima_ui.convert.export import export_graphs
+from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.model.reference import TorchBranches, reference_forward
+from anima_ui.runtime import open_runtime
 
 TOLERANCE = 1e-5  # the brief asks < 1e-4; errors are ~4e-7, and a tanh-GELU bug gives 8e-5
 
@@ -142,6 +145,23 @@ def test_dit_matches_diffusers(tiny_cfg, tiny_state, tiny_oracle, height, width)
     error = relative_error(ours, oracle)
     print(f"\nDiT {height}x{width} latent: relative error {error:.2e}, max abs {np.abs(ours - oracle).max():.2e}")
     assert error < TOLERANCE
+
+
+def test_dit_through_the_exported_graphs_matches_diffusers(tiny_cfg, tiny_state, tiny_oracle, write_dit_file, tmp_path):
+    """The branch graphs `anima-ui export` builds, run by onnxruntime inside the split forward, against diffusers."""
+    height, width = 24, 40
+    checkpoint = tmp_path / "anima-tiny.safetensors"
+    write_dit_file(tiny_state, checkpoint, dtype=torch.float32)  # the exact weights the oracle holds
+    export_graphs(checkpoint, width * 8, height * 8, tmp_path / "graphs", batch=2)
+    x, sigma, context = dit_inputs(tiny_cfg, height, width)
+    ours_blocks, oracle_blocks = [], []
+    kv, rope = prepare_kv(tiny_state, context), prepare_rope(tiny_cfg, height, width)
+    with open_runtime("onnx", tmp_path / "graphs") as runtime:
+        ours = dit_forward(tiny_state, runtime, x, sigma, kv, rope, on_block=lambda i, X: ours_blocks.append(X.copy()))
+    oracle = diffusers_forward(tiny_oracle, x, sigma, context, oracle_blocks)
+    for i, (a, b) in enumerate(zip(ours_blocks, oracle_blocks, strict=True)):
+        assert relative_error(a, b) < TOLERANCE, f"block {i}"
+    assert relative_error(ours, oracle) < TOLERANCE
 
 
 def test_dit_oracle_distinguishes_batch_rows(tiny_cfg, tiny_state, tiny_oracle):

@@ -9,7 +9,6 @@ import pytest
 
 from anima_ui.convert.convert_rknn import MIN_SIM_COSINE, VENV_PYTHON
 from anima_ui.convert.export import export_graphs
-from anima_ui.model.checkpoint import load_dit
 from anima_ui.runtime.manifest import Manifest
 
 pytestmark = pytest.mark.rknn
@@ -22,8 +21,7 @@ def exported(tmp_path_factory, tiny_state, write_dit_file):
     root = tmp_path_factory.mktemp("tiny-rknn")
     checkpoint = root / "anima-tiny.safetensors"
     write_dit_file(tiny_state, checkpoint)
-    cfg, weights = load_dit(checkpoint)
-    export_graphs(checkpoint, cfg, weights, 64, 64, root / "onnx")
+    export_graphs(checkpoint, 64, 64, root / "onnx")
     return root
 
 

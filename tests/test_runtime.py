@@ -49,7 +49,7 @@ def model(tmp_path_factory, tiny_state, write_dit_file):
     checkpoint = root / "diffusion_models" / "anima-tiny.safetensors"
     write_dit_file(tiny_state, checkpoint)
     cfg, weights = load_dit(checkpoint)
-    graphs = {batch: export_graphs(checkpoint, cfg, weights, WIDTH, HEIGHT, root / f"exported-b{batch}", batch=batch)
+    graphs = {batch: export_graphs(checkpoint, WIDTH, HEIGHT, root / f"exported-b{batch}", batch=batch)
               for batch in (1, 2)}
     return {"root": root, "cfg": cfg, "weights": weights, "graphs": {b: root / f"exported-b{b}" for b in graphs}}
 
@@ -241,7 +241,7 @@ def test_split_run_needs_only_the_host_weights(model):
 
 def test_fp16_graphs_take_and_give_float32_at_the_boundary(model, tmp_path):
     checkpoint = model["root"] / "diffusion_models" / "anima-tiny.safetensors"
-    export_graphs(checkpoint, model["cfg"], model["weights"], WIDTH, HEIGHT, tmp_path / "fp16", dtype="fp16")
+    export_graphs(checkpoint, WIDTH, HEIGHT, tmp_path / "fp16", dtype="fp16")
     x, sigma, context = cfg_inputs(model)
     weights = model["weights"]
     kv, rope = prepare_kv(weights, context), prepare_rope(model["cfg"], HEIGHT // 8, WIDTH // 8)

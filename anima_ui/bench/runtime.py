@@ -22,16 +22,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
+from anima_ui.convert.export import export_graphs
 from anima_ui.errors import UserError
 from anima_ui.fixtures.model import write_random_model
 from anima_ui.fixtures.weights import write_random_dit
-from anima_ui.model.branches import CrossAttentionBranch, head_rms_norm
+from anima_ui.model.branch_graphs import cross_attention_body
+from anima_ui.model.branches import CrossAttentionBranch
 from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
-from anima_ui.model.host import block_weights, cross_attention_kv
+from anima_ui.model.host import EPS, block_weights, cross_attention_kv
+from anima_ui.model.onnx_graph import Graph, linear, reshape, rms_norm
 from anima_ui.model.reference import TorchBranches
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime import board_latency, open_runtime
@@ -42,8 +44,7 @@ from anima_ui.runtime.memory import GIB, MIB, process_memory, read_meminfo, swap
 from anima_ui.sampling.schedule import simple_sigmas
 
 # Each (b) variant runs this module in a process of its own and reports that process's peak RSS, so what only some
-# of them use is imported where it is used: the exporter (torch.onnx) and onnxruntime (the (a) table, the
-# cross-attention comparison), and diffusers (a test and benchmark requirement, requirements-dev.txt) for its row.
+# of them use is imported where it is used: onnxruntime (the cross-attention comparison), and diffusers (a test and benchmark requirement, requirements-dev.txt) for its row.
 
 CFG_SCALE = 4.0
 
@@ -101,8 +102,6 @@ def median(values):
 
 # -- (a) simulated board ------------------------------------------------------------------------------------------
 def simulated_board_table(time_scale: float, steps: int) -> None:
-    from anima_ui.convert.export import export_graphs  # torch.onnx: see the note on imports at the top
-
     cfg = replace(AnimaConfig.tiny(), num_blocks=board_latency.BLOCKS)
     with tempfile.TemporaryDirectory(prefix="anima-bench-sim-") as work:
         checkpoint = Path(work, "anima-bench-28-blocks.safetensors")
@@ -110,7 +109,7 @@ def simulated_board_table(time_scale: float, steps: int) -> None:
         cfg, weights = load_dit(checkpoint)
         graphs = {batch: Path(work, f"onnx-b{batch}") for batch in (1, 2)}
         for batch, folder in graphs.items():
-            export_graphs(checkpoint, cfg, weights, 512, 512, folder, batch=batch)
+            export_graphs(checkpoint, 512, 512, folder, batch=batch)
         x0, kv, rope = conditioning(cfg, weights, 512, 512)
         sigmas = simple_sigmas(steps)
         variants = [
@@ -239,8 +238,6 @@ def _variant_cross_attention(models, graphs, width, height) -> dict:
     """Block 0's cross-attention as exported (k, v inputs) vs a graph that also projects the context."""
     import onnxruntime  # see the note on imports at the top
 
-    from anima_ui.convert.export import export_branch
-
     cfg, host = load_host_weights(_dit_path(models))
     rng = np.random.default_rng(0)
     prompt = rng.standard_normal((2, cfg.context_len, cfg.context_dim)).astype(np.float32)
@@ -257,12 +254,9 @@ def _variant_cross_attention(models, graphs, width, height) -> dict:
     _, state = load_dit(_dit_path(models))
     block = {k: v for k, v in block_weights(state, 0).items() if k.startswith("cross_attn.")}
     del state
-    module = _projecting_cross_attention(block).eval()
     context_spec = TensorSpec("context", (1, cfg.context_len, block["cross_attn.k_proj.weight"].shape[1]), "float32", True)
-    with tempfile.TemporaryDirectory() as work:
-        path = Path(work, "ca_projecting.onnx")
-        export_branch(module, (h_spec, context_spec), path)
-        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    graph = _projecting_cross_attention(block, h_spec.shape[1], cfg.context_len)
+    session = onnxruntime.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
     context = rng.standard_normal(context_spec.shape).astype(np.float32)
     projecting_ms = _median_ms(lambda: session.run(None, {"h": h, "context": context}))
     with torch.inference_mode():  # the two graphs compute the same thing
@@ -278,24 +272,17 @@ def _dit_path(models) -> Path:
     return ModelPaths.find(models).dit
 
 
-def _projecting_cross_attention(block: dict):
+def _projecting_cross_attention(block: dict, tokens: int, context_len: int):
     """Cross-attention that computes k/v from the 512-token context inside the graph (what the graphs
-    would do without host K/V): k_proj, per-head k_norm, v_proj, then the exported branch."""
-    class ProjectingCrossAttention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.branch = CrossAttentionBranch(block)
-            self.k_proj = nn.Parameter(torch.from_numpy(block["cross_attn.k_proj.weight"]), requires_grad=False)
-            self.v_proj = nn.Parameter(torch.from_numpy(block["cross_attn.v_proj.weight"]), requires_grad=False)
-            self.k_norm = nn.Parameter(torch.from_numpy(block["cross_attn.k_norm.weight"]), requires_grad=False)
-
-        def forward(self, h, context):
-            b, s, _ = context.shape
-            k = nn.functional.linear(context, self.k_proj).reshape(b, s, -1, self.k_norm.shape[0])
-            k = head_rms_norm(k, self.k_norm).reshape(b, s, -1)
-            return self.branch(h, k, nn.functional.linear(context, self.v_proj))
-
-    return ProjectingCrossAttention()
+    would do without host K/V): k_proj, per-head k_norm, v_proj, then the exported branch's body."""
+    width, context_dim = block["cross_attn.k_proj.weight"].shape
+    head_dim = block["cross_attn.k_norm.weight"].shape[0]
+    split = (1, context_len, width // head_dim, head_dim)
+    g = Graph("float32", "ca_projecting")
+    h, context = g.input("h", (1, tokens, width)), g.input("context", (1, context_len, context_dim))
+    k = rms_norm(g, reshape(g, linear(g, context, block["cross_attn.k_proj.weight"]), split), block["cross_attn.k_norm.weight"], EPS)
+    v = reshape(g, linear(g, context, block["cross_attn.v_proj.weight"]), split)
+    return g.model({"out": (cross_attention_body(g, block, h, k, v, 1, tokens), (1, tokens, width))})
 
 
 def _median_ms(fn, repeats=5) -> float:

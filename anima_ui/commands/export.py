@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+from anima_ui.convert.model_graphs import export_model_graphs
 from anima_ui.modelfiles import ModelPaths
 
 
@@ -17,11 +18,12 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from anima_ui.convert.model_graphs import export_model_graphs  # the exporter needs torch (optional), `--help` not
-
     paths = ModelPaths.find(args.models)
     out = Path(args.out) if args.out else paths.exported_dir(args.width, args.height)
-    progress = lambda line: print(line, file=sys.stderr, flush=True)
+
+    def progress(done, total, file, seconds, reused):
+        print(f"[{done}/{total}] {file}: {'kept (finished earlier)' if reused else f'built in {seconds:.1f} s'}", file=sys.stderr, flush=True)
+
     manifest = export_model_graphs(paths, args.width, args.height, out, args.dtype, args.batch, progress)
     print(f"{len(manifest.graphs)} graphs ({args.dtype}, batch {args.batch}, {args.width}x{args.height}) in {out}")
     return 0

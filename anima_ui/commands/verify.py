@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anima_ui.convert.model_graphs import export_model_graphs
 from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.modelfiles import ModelPaths
@@ -53,7 +54,6 @@ def compare(split: np.ndarray, reference: np.ndarray) -> dict:
 def graphs_for(paths, backend: str, width: int, height: int):
     """The graphs folder the backend runs; missing ONNX graphs are exported first (before the reference weights
     load, so the two never share the memory), missing RKNN ones are an error naming the commands."""
-    from anima_ui.convert.model_graphs import export_model_graphs  # torch (optional): only to export
 
     folder = graphs_dir(paths, backend, width, height)
     if not graphs_ready(folder):

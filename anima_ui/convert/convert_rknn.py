@@ -1,22 +1,24 @@
 """`anima-ui convert-rknn`: exported ONNX graphs -> FP16 .rknn graphs for the RK3588, each verified on
 the toolkit's simulator against onnxruntime right after its build.
 
-rknn-toolkit2 2.5.0 cannot live in the main environment (it pins numpy <= 1.26.4, onnx <= 1.18 and
-protobuf <= 4.25.4, and imports torch <= 2.4 at import time), so the conversion runs as a
-subprocess: `.venv-rknn/bin/python anima_ui/convert/rknn_worker.py` (scripts/make_rknn_venv.sh makes
-the venv). The output folder appears whole or not at all.
+rknn-toolkit2 pins numpy 1.26, onnx <= 1.18 and protobuf 4, so it cannot live in the main environment:
+the conversion runs as subprocesses, `.venv-rknn/bin/python anima_ui/convert/rknn_worker.py`
+(scripts/make_rknn_venv.sh makes the venv). Resumable like the export: each .rknn is renamed into place
+when complete and gets a record (`<graph>.rknn.json`: its sha256, the ONNX graph's sha256, the toolkit
+version and target, the simulator check); a graph whose record still matches is kept, and the manifest
+is written last.
 
 (This module must not be called rknn.py: the worker runs from this folder and imports `rknn.api`.)"""
 
 import json
-import shutil
+import queue
 import subprocess
-import tempfile
+import threading
 from pathlib import Path
 
+from anima_ui.convert.export import finish_folder, finished_graph, folder_lock, read_record, start_folder, write_record
 from anima_ui.errors import UserError
-from anima_ui.convert.export import _move_into_place
-from anima_ui.runtime.manifest import Manifest
+from anima_ui.runtime.manifest import GraphEntry, Manifest, sha256_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = REPO_ROOT / ".venv-rknn" / "bin" / "python"
@@ -24,50 +26,116 @@ WORKER = Path(__file__).with_name("rknn_worker.py")
 MIN_SIM_COSINE = 0.9999
 TARGETS = ("rk3588",)
 LOG = "convert.log"  # the toolkit's own output, kept next to the graphs
+CHECK_KEYS = ("sim_cosine", "sim_max_abs_error", "sim_nonfinite", "sim_shape_ok")
 
 
-def convert_rknn(onnx_dir, out_dir, target: str = "rk3588", python=VENV_PYTHON, progress=None) -> Manifest:
-    if target not in TARGETS:
-        raise UserError(f"--target {target!r}: only {', '.join(TARGETS)} is supported")
+def toolkit_info(python=VENV_PYTHON) -> dict:
+    """{"rknn-toolkit2": version, "torch": version or None, "python": version} of the conversion environment."""
     python = Path(python)
     if not python.exists():
         raise UserError(f"no RKNN conversion environment at {python}: run scripts/make_rknn_venv.sh first")
+    done = subprocess.run([str(python), str(WORKER), "--version"], capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"the RKNN conversion environment {python} is broken ({tail[:200]}); run scripts/make_rknn_venv.sh again")
+    return json.loads(lines[-1])
+
+
+def convert_rknn(onnx_dir, out_dir, target: str = "rk3588", python=VENV_PYTHON, progress=None, jobs: int = 1) -> Manifest:
+    """Convert every graph of the exported folder `onnx_dir` that `out_dir` does not already hold, with `jobs`
+    worker processes. progress(done, total, file, seconds, reused, result) is called after each graph."""
+    if target not in TARGETS:
+        raise UserError(f"--target {target!r}: only {', '.join(TARGETS)} is supported")
     source = Manifest.read(onnx_dir)
     if source.format != "onnx":
         raise UserError(f"{onnx_dir} holds {source.format} graphs; point --onnx at an `anima-ui export` folder")
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.convert-", dir=out_dir.parent))
-    try:
-        _run_worker(python, Path(onnx_dir), temp, target, progress)
-        manifest = Manifest.read(temp)
-        _check_simulation(manifest, temp)
-        _move_into_place(temp, out_dir)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+    toolkit = toolkit_info(python)["rknn-toolkit2"]
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out_dir):
+        start_folder(out_dir)
+        wanted = {g.file: {"onnx_sha256": g.sha256, "toolkit": toolkit, "target": target} for g in source.graphs}
+        todo = [g.file for g in source.graphs if finished_graph(out_dir, rknn_name(g.file), wanted[g.file]) is None]
+        done = 0
+        for g in source.graphs:
+            if g.file not in todo:
+                done += 1
+                if progress:
+                    progress(done, len(source.graphs), rknn_name(g.file), 0.0, True, read_record(out_dir, rknn_name(g.file)))
+        for result in _run_workers(python, onnx_dir, out_dir, target, todo, jobs):
+            _check_simulation(result, out_dir)
+            write_record(out_dir, result["file"], {**wanted[result["onnx_file"]], **result})
+            done += 1
+            if progress:
+                progress(done, len(source.graphs), result["file"], result["build_seconds"] + result["check_seconds"], False, result)
+        graphs = []
+        for g in source.graphs:
+            record = read_record(out_dir, rknn_name(g.file))
+            extra = {"toolkit": toolkit, "target": target, "onnx_file": g.file, "onnx_sha256": g.sha256,
+                     **{key: record[key] for key in CHECK_KEYS}}
+            graphs.append(GraphEntry(rknn_name(g.file), g.block, g.kind, g.inputs, g.outputs, record["sha256"], extra))
+        manifest = Manifest(
+            format="rknn", width=source.width, height=source.height, batch=source.batch, dtype="fp16", graphs=graphs,
+            source={"onnx_manifest_sha256": sha256_file(onnx_dir / "manifest.json"), "checkpoint": source.source},
+            tools={"rknn-toolkit2": toolkit, "target": target},
+        )
+        finish_folder(out_dir, manifest)
     return manifest
 
 
-def _run_worker(python: Path, onnx_dir: Path, out: Path, target: str, progress) -> None:
-    command = [str(python), str(WORKER), "--onnx", str(onnx_dir.resolve()), "--out", str(out), "--target", target]
-    with open(out / LOG, "w") as log:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
-        for line in process.stdout:
-            if progress and line.startswith("{"):
-                result = json.loads(line)
-                progress(f"{result['file']}: built in {result['build_seconds']:.1f} s, simulator cosine {result['sim_cosine']:.7f}")
-        code = process.wait()
-    if code != 0:
-        tail = (out / LOG).read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise UserError(f"RKNN conversion failed (exit {code}): {tail[0][:300]}")
+def rknn_name(onnx_file: str) -> str:
+    return str(Path(onnx_file).with_suffix(".rknn"))
 
 
-def _check_simulation(manifest: Manifest, folder: Path) -> None:
-    for g in manifest.graphs:
-        x = g.extra
-        if x["sim_nonfinite"] or not x["sim_shape_ok"] or not x["sim_cosine"] >= MIN_SIM_COSINE:
-            raise UserError(
-                f"{g.file} failed the simulator check (cosine {x['sim_cosine']:.6f}, {x['sim_nonfinite']} NaN/Inf, "
-                f"shape ok {x['sim_shape_ok']}); see {folder / LOG} and report the toolkit version {x['toolkit']}"
-            )
+def _run_workers(python, onnx_dir: Path, out_dir: Path, target: str, files: list[str], jobs: int):
+    """Yield each worker's per-graph result as it arrives; `jobs` workers share the list round-robin."""
+    if not files:
+        return
+    shares = [files[i::jobs] for i in range(max(1, min(jobs, len(files))))]
+    with open(out_dir / LOG, "a") as log:
+        processes = [
+            subprocess.Popen([str(python), str(WORKER), "--onnx", str(onnx_dir.resolve()), "--out", str(out_dir.resolve()),
+                              "--target", target, *share], stdout=subprocess.PIPE, stderr=log, text=True)
+            for share in shares
+        ]
+        try:
+            yield from _merged_lines(processes)
+            codes = [p.wait() for p in processes]
+        finally:
+            for p in processes:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    if any(codes):
+        tail = (out_dir / LOG).read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise UserError(f"RKNN conversion failed (exit {max(codes)}): {tail[0][:300]}; the toolkit's output is in {out_dir / LOG}")
+
+
+def _merged_lines(processes):
+    """JSON result lines of several workers, in the order they are printed (one reader thread per worker)."""
+    lines = queue.Queue()
+
+    def read(stream):
+        for line in stream:
+            if line.startswith("{"):
+                lines.put(json.loads(line))
+        lines.put(None)
+
+    for p in processes:
+        threading.Thread(target=read, args=(p.stdout,), daemon=True).start()
+    running = len(processes)
+    while running:
+        item = lines.get()
+        if item is None:
+            running -= 1
+        else:
+            yield item
+
+
+def _check_simulation(result: dict, folder: Path) -> None:
+    if result["sim_nonfinite"] or not result["sim_shape_ok"] or not result["sim_cosine"] >= MIN_SIM_COSINE:
+        raise UserError(
+            f"{result['file']} failed the simulator check (cosine {result['sim_cosine']:.6f}, {result['sim_nonfinite']} NaN/Inf, "
+            f"shape ok {result['sim_shape_ok']}); see {folder / LOG} and report the toolkit version {result['toolkit']}"
+        )

@@ -1,22 +1,68 @@
-"""Runs inside .venv-rknn (rknn-toolkit2 2.5.0, numpy 1.26, onnx 1.18, onnxruntime < 1.23), started by
-`anima-ui convert-rknn`; it imports nothing from anima_ui, whose environment it cannot share.
+"""Runs inside .venv-rknn (rknn-toolkit2, numpy 1.26, onnx 1.18, onnxruntime < 1.23), started by
+`anima-ui convert-rknn` / `anima-ui prepare`; it imports nothing from anima_ui, whose environment it cannot share.
 
-For every graph of an exported ONNX folder: build an FP16 .rknn for the target, then, in the same RKNN
-session (the simulator cannot run a model loaded from a .rknn file), run it on the
-toolkit's simulator and compare with onnxruntime on the same random inputs. Writes the .rknn files and
-manifest.json into --out and prints one JSON line per graph on stdout."""
+For each graph named on the command line: build an FP16 .rknn for the target, then, in the same RKNN
+session (the toolkit's simulator cannot run a model loaded back from a .rknn file), run it on the
+simulator and compare with onnxruntime on the same random inputs. Each .rknn is written to a temp name
+and renamed when complete; one JSON line per graph on stdout tells the parent, which keeps the records
+and writes the manifest.
+
+torch: rknn-toolkit2 2.5.0 imports it when `rknn.api` is imported, for one reason only: its GDQ
+quantizer (`rknn/api/gdq_quant`) decorates a function with `@torch.no_grad()` and subclasses
+`torch.nn.Module` at import time, and `rknn/api/rknn_utils` does `import torch`. The FP16 build, export
+and simulator never touch torch (checked by recording every attribute access on a stand-in). So when
+torch is not installed, a stand-in with exactly those two names is put in its place, and anything else
+asked of it fails with a message that says to install torch (the quantizers need the real one)."""
 
 import argparse
+import ctypes
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
+import os
+import signal
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 import onnxruntime
-from rknn.api import RKNN
+
+NEEDS_TORCH = "rknn-toolkit2 needs the real torch for this (its quantizers): run scripts/make_rknn_venv.sh --with-torch"
+
+
+def torch_stand_in() -> dict[str, types.ModuleType]:
+    """`torch` and `torch.nn` with the two names the toolkit uses at import time; everything else raises."""
+
+    def missing(module_name):
+        def getattr_(name):
+            raise AttributeError(f"{module_name}.{name}: {NEEDS_TORCH}")
+        return getattr_
+
+    class Module:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError(f"torch.nn.Module: {NEEDS_TORCH}")
+
+    torch = types.ModuleType("torch")
+    nn = types.ModuleType("torch.nn")
+    torch.__path__, nn.__path__ = [], []
+    torch.no_grad = lambda: (lambda function: function)  # a decorator that leaves the function as it is
+    nn.Module = Module
+    torch.nn = nn
+    torch.__getattr__, nn.__getattr__ = missing("torch"), missing("torch.nn")
+    return {"torch": torch, "torch.nn": nn}
+
+
+def import_rknn():
+    try:
+        import torch  # noqa: F401  (optional: only the toolkit's quantizers need it)
+    except ImportError:
+        sys.modules.update(torch_stand_in())
+    from rknn.api import RKNN
+
+    return RKNN
 
 
 def sha256_file(path: Path) -> str:
@@ -44,7 +90,8 @@ def check_inputs(graph: dict, seed: int) -> list:
     return arrays
 
 
-def convert_one(onnx_path: Path, rknn_path: Path, graph: dict, target: str, seed: int) -> dict:
+def convert_one(RKNN, onnx_path: Path, rknn_path: Path, graph: dict, target: str, seed: int) -> dict:
+    temp = rknn_path.with_name(f".{rknn_path.name}.partial-{os.getpid()}")
     rknn = RKNN(verbose=False)
     try:
         started = time.perf_counter()
@@ -53,15 +100,18 @@ def convert_one(onnx_path: Path, rknn_path: Path, graph: dict, target: str, seed
             raise RuntimeError(f"load_onnx failed for {onnx_path.name}")
         if rknn.build(do_quantization=False) != 0:
             raise RuntimeError(f"build failed for {onnx_path.name}")
-        if rknn.export_rknn(str(rknn_path)) != 0:
+        if rknn.export_rknn(str(temp)) != 0:
             raise RuntimeError(f"export_rknn failed for {onnx_path.name}")
         build_seconds = time.perf_counter() - started
         if rknn.init_runtime() != 0:  # target=None: the simulator
             raise RuntimeError(f"simulator init_runtime failed for {onnx_path.name}")
         inputs = check_inputs(graph, seed)
         simulated = np.asarray(rknn.inference(inputs=inputs)[0], dtype=np.float64)
+        check_seconds = time.perf_counter() - started - build_seconds
+        os.replace(temp, rknn_path)
     finally:
         rknn.release()
+        temp.unlink(missing_ok=True)
     session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     feeds = {spec["name"]: array for spec, array in zip(graph["inputs"], inputs)}
     expected = np.asarray(session.run(None, feeds)[0], dtype=np.float64)
@@ -70,6 +120,7 @@ def convert_one(onnx_path: Path, rknn_path: Path, graph: dict, target: str, seed
     cosine = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
     return {
         "build_seconds": round(build_seconds, 3),
+        "check_seconds": round(check_seconds, 3),
         "sim_cosine": cosine,
         "sim_max_abs_error": float(np.abs(np.where(finite, simulated, 0) - expected).max()),
         "sim_nonfinite": int((~finite).sum()),
@@ -77,31 +128,61 @@ def convert_one(onnx_path: Path, rknn_path: Path, graph: dict, target: str, seed
     }
 
 
+def reset_peak_rss() -> None:
+    """Start a new peak (VmHWM) for this process, so each graph's conversion is measured on its own (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def die_with_parent() -> None:
+    """A killed parent takes this worker with it (Linux), so no orphan keeps writing into the folder."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--onnx", required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--version", action="store_true", help="print the toolkit, torch and Python versions")
+    parser.add_argument("--check", action="store_true", help="the same, after importing the toolkit")
+    parser.add_argument("--onnx")
+    parser.add_argument("--out")
     parser.add_argument("--target", default="rk3588")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("graphs", nargs="*", help="ONNX file names of --onnx's manifest to convert, in order")
     args = parser.parse_args()
-    onnx_dir, out_dir = Path(args.onnx), Path(args.out)
-    source = json.loads((onnx_dir / "manifest.json").read_text())
     toolkit = importlib.metadata.version("rknn-toolkit2")
-    graphs = []
-    for graph in source["graphs"]:
-        rknn_file = Path(graph["file"]).with_suffix(".rknn").name
-        check = convert_one(onnx_dir / graph["file"], out_dir / rknn_file, graph, args.target, args.seed)
-        extra = {"toolkit": toolkit, "target": args.target, "onnx_file": graph["file"], "onnx_sha256": graph["sha256"], **check}
-        graphs.append({**graph, "file": rknn_file, "sha256": sha256_file(out_dir / rknn_file), "extra": extra})
-        print(json.dumps({"file": rknn_file, **check}), flush=True)
-    manifest = {
-        "format": "rknn", "width": source["width"], "height": source["height"], "batch": source["batch"],
-        "dtype": "fp16", "graphs": graphs,
-        "source": {"onnx_manifest_sha256": sha256_file(onnx_dir / "manifest.json"), "checkpoint": source["source"]},
-        "tools": {"rknn-toolkit2": toolkit, "target": args.target, "onnxruntime": onnxruntime.__version__,
-                  "numpy": np.__version__, "python": sys.version.split()[0]},
-    }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    torch = importlib.util.find_spec("torch") and importlib.metadata.version("torch")
+    info = {"rknn-toolkit2": toolkit, "torch": torch or None, "python": sys.version.split()[0]}
+    if args.version:  # from the package metadata: importing the toolkit takes seconds
+        print(json.dumps(info))
+        return 0
+    RKNN = import_rknn()
+    if args.check:
+        print(json.dumps(info))
+        return 0
+    die_with_parent()
+    onnx_dir, out_dir = Path(args.onnx), Path(args.out)
+    graphs = {g["file"]: g for g in json.loads((onnx_dir / "manifest.json").read_text())["graphs"]}
+    for file in args.graphs:
+        rknn_file = Path(file).with_suffix(".rknn").name
+        reset_peak_rss()
+        check = convert_one(RKNN, onnx_dir / file, out_dir / rknn_file, graphs[file], args.target, args.seed)
+        print(json.dumps({"file": rknn_file, "onnx_file": file, "sha256": sha256_file(out_dir / rknn_file),
+                          "size": (out_dir / rknn_file).stat().st_size, "toolkit": toolkit, "peak_rss_mib": peak_rss_mib(),
+                          **check}), flush=True)
     return 0
 
 

@@ -93,6 +93,4 @@ class FeedForwardBranch(nn.Module):
 
 
 BRANCH_CLASSES = {"self_attn": SelfAttentionBranch, "cross_attn": CrossAttentionBranch, "mlp": FeedForwardBranch}
-# ONNX input names of each kind, in argument order (the output is always `out`).
-BRANCH_INPUTS = {"self_attn": ("h", "rope_cos", "rope_sin"), "cross_attn": ("h", "k", "v"), "mlp": ("h",)}
 

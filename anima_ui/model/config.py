@@ -7,6 +7,8 @@ from anima_ui.errors import UserError
 
 BRANCH_KINDS = ("self_attn", "cross_attn", "mlp")  # every block's three branches, in the order they run
 CONTEXT_LEN = 512  # text tokens the DiT cross-attends to: the adapter's output, zero-padded to this length
+# The graph inputs of each branch kind, in argument order (every branch has one output, `out`).
+BRANCH_INPUTS = {"self_attn": ("h", "rope_cos", "rope_sin"), "cross_attn": ("h", "k", "v"), "mlp": ("h",)}
 
 
 @dataclass(frozen=True)

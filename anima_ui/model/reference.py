@@ -6,8 +6,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from anima_ui.model.branches import BRANCH_CLASSES, BRANCH_INPUTS
-from anima_ui.model.config import AnimaConfig
+from anima_ui.model.branches import BRANCH_CLASSES
+from anima_ui.model.config import BRANCH_INPUTS, AnimaConfig
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.model.host import block_weights
 

@@ -1,6 +1,6 @@
 """Where a backend finds its branch graphs in a model folder: `exported/<W>x<H>` (ONNX, run by the onnx and sim
-backends) and `rknn/<W>x<H>` (RKNN, run by the rknn backend). A folder appears whole (its writers rename it into
-place), so it is ready once its manifest.json is there."""
+backends) and `rknn/<W>x<H>` (RKNN, run by the rknn backend). Its writers add the manifest.json last (and remove it
+while they rewrite the folder), so a folder is ready once its manifest.json is there."""
 
 from pathlib import Path
 
@@ -21,13 +21,13 @@ def ready_graph_folders(models_dir, kind: str) -> list[Path]:
 def graphs_dir(paths, backend: str, width: int, height: int) -> Path | None:
     """The folder `backend` runs for width x height (None for torch, which runs no graphs). An ONNX folder may still
     be missing (`graphs_ready` says; `anima_ui.convert.model_graphs.export_model_graphs` makes it); RKNN graphs
-    cannot be made here, so a missing RKNN folder is a UserError naming the commands that make it."""
+    are made by `anima-ui prepare` (it needs .venv-rknn), so a missing RKNN folder is a UserError naming it."""
     if backend == "torch":
         return None
     if backend != "rknn":
         return paths.exported_dir(width, height)
     folder = paths.rknn_dir(width, height)
     if not graphs_ready(folder):
-        raise UserError(f"no RKNN graphs for {width}x{height} in {folder}: run `anima-ui export` and `anima-ui convert-rknn` "
-                        f"for {width}x{height} first (README, 'On the board')")
+        raise UserError(f"no RKNN graphs for {width}x{height} in {folder}: run `anima-ui prepare --models {paths.root} "
+                        f"--width {width} --height {height}` first (on the board or a PC)")
     return folder

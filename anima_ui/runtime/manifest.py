@@ -11,6 +11,7 @@ from pathlib import Path
 
 from anima_ui.errors import UserError
 from anima_ui.model.config import BRANCH_KINDS
+from anima_ui.files import write_atomic
 
 MANIFEST = "manifest.json"
 
@@ -56,7 +57,8 @@ class Manifest:
         return {(g.block, g.kind): g for g in self.graphs}
 
     def write(self, folder) -> None:
-        Path(folder, MANIFEST).write_text(json.dumps(asdict(self), indent=1) + "\n")
+        """Atomically: a reader sees the old manifest, none, or the whole new one."""
+        write_atomic(Path(folder, MANIFEST), json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
     def read(cls, folder) -> "Manifest":

@@ -1,0 +1,18 @@
+"""`anima-ui prepare --models DIR [--width W --height H] [--target rk3588] [--jobs N] [--mirror URL]`."""
+
+from anima_ui.convert.prepare import prepare
+
+
+def add_arguments(parser):
+    parser.add_argument("--models", required=True, help="model folder (created if missing; files already there are kept)")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--target", default="rk3588")
+    parser.add_argument("--jobs", type=int, default=1, help="RKNN conversions in parallel (each needs up to ~2 GB at full size)")
+    parser.add_argument("--mirror", help="download every file from MIRROR/<its path in the model folder> instead of the "
+                                         "official sources (a folder as file:///path, or a LAN server)")
+
+
+def run(args) -> int:
+    prepare(args.models, args.width, args.height, args.target, args.mirror, jobs=args.jobs)
+    return 0

@@ -1,0 +1,126 @@
+"""`anima-ui prepare`: from an empty folder to graphs ready for the board, on a PC or on the board itself.
+
+download the official files -> export the branch graphs (streamed, no torch) -> convert them to FP16 RKNN
+in .venv-rknn, each checked on the toolkit's simulator -> manifests. Every step keeps what a killed run
+finished: downloads are renamed into place when complete, every graph has its own record (see
+export.py and convert_rknn.py), and each manifest is written last. Running it again after a kill redoes
+only the unfinished file or graph.
+
+The text encoder needs no graphs here: it runs on the host. A text-encoder graph set would be one more
+`export_*` call in the export phase below, with its own folder and manifest, converted the same way."""
+
+import dataclasses
+import platform
+import sys
+import time
+
+from anima_ui.convert.convert_rknn import VENV_PYTHON, convert_rknn, toolkit_info
+from anima_ui.convert.export import export_graphs
+from anima_ui.download import download, download_plan
+from anima_ui.model.config import BRANCH_KINDS
+from anima_ui.modelfiles import ModelPaths
+
+
+def prepare(models_dir, width: int = 512, height: int = 512, target: str = "rk3588", mirror: str | None = None,
+            python=VENV_PYTHON, jobs: int = 1, out=sys.stderr) -> dict:
+    """Run every phase, printing progress to `out`; returns {"rknn": folder, "peaks": {phase: peak RSS MiB}}."""
+    info = toolkit_info(python)  # before a 6 GB download: is there a conversion environment at all?
+    report = lambda line: print(line, file=out, flush=True)
+    report(f"conversion environment: rknn-toolkit2 {info['rknn-toolkit2']}, Python {info['python']}, "
+           f"torch {info['torch'] or 'not installed (not needed for FP16)'}")
+    peaks = {}
+
+    reset_peak_rss()
+    plan = download_plan(models_dir)
+    if mirror:
+        plan = [dataclasses.replace(item, url=f"{mirror.rstrip('/')}/{item.dest}", repo=None) for item in plan]
+    for line in download(plan, models_dir):
+        report(line)
+    paths = ModelPaths.find(models_dir)
+    peaks["download"] = peak_rss_mib()
+
+    reset_peak_rss()
+    exported = paths.exported_dir(width, height)
+    bar = ProgressBar("export", out)
+    export_graphs(paths, width, height, exported, progress=bar.update)
+    peaks["export"] = peak_rss_mib()
+    report(f"export: {bar.summary()}; peak RSS {peaks['export']:.0f} MiB")
+
+    converted = paths.rknn_dir(width, height)
+    bar = ProgressBar("convert", out)
+    worker_peaks = []
+
+    def converted_one(done, total, file, seconds, reused, result):
+        if not reused:
+            worker_peaks.append(result["peak_rss_mib"])
+        bar.update(done, total, file, seconds, reused)
+
+    convert_rknn(exported, converted, target, python, progress=converted_one, jobs=jobs)
+    peaks["convert (largest graph)"] = max(worker_peaks, default=0.0)
+    report(f"convert: {bar.summary()}; peak RSS of one graph's conversion {peaks['convert (largest graph)']:.0f} MiB")
+
+    board = platform.machine() == "aarch64"
+    report(f"ready: {converted}")
+    report(f"start the app with: anima-ui serve --models {models_dir} --backend rknn" if board else
+           f"start the app here with `anima-ui serve --models {models_dir}` (onnxruntime); on the board, copy "
+           f"{models_dir} there and run `anima-ui serve --models {models_dir} --backend rknn`")
+    return {"rknn": converted, "peaks": peaks}
+
+
+class ProgressBar:
+    """`phase n/N file, s per graph, ETA` on one line (redrawn in a terminal, a line per graph otherwise).
+    The ETA weighs the remaining graphs by the mean time of their kind in this run (an FFN takes longer)."""
+
+    def __init__(self, phase: str, out):
+        self.phase, self.out = phase, out
+        self.seconds: dict[str, list[float]] = {}
+        self.started = time.perf_counter()
+        self.kept = 0
+
+    def update(self, done: int, total: int, file: str, seconds: float, reused: bool) -> None:
+        kind = next((k for k in BRANCH_KINDS if k in file), "")
+        if reused:
+            self.kept += 1
+        else:
+            self.seconds.setdefault(kind, []).append(seconds)
+        state = "kept" if reused else f"{seconds:.1f} s"
+        line = f"{self.phase} {done}/{total} {file} ({state}), ETA {self._eta(done, total)}"
+        tty = getattr(self.out, "isatty", lambda: False)()
+        print(f"\r{line:<100}" if tty else line, end="\n" if not tty or done == total else "", file=self.out, flush=True)
+
+    def _eta(self, done: int, total: int) -> str:
+        if not self.seconds:
+            return "-"
+        every = [s for times in self.seconds.values() for s in times]
+        per_kind = {k: sum(v) / len(v) for k, v in self.seconds.items()}
+        # the remaining graphs follow the fixed cycle self_attn, cross_attn, mlp
+        remaining = sum(per_kind.get(BRANCH_KINDS[i % 3], sum(every) / len(every)) for i in range(done, total))
+        return _clock(remaining)
+
+    def summary(self) -> str:
+        built = sum(len(v) for v in self.seconds.values())
+        per_kind = ", ".join(f"{k} {sum(v) / len(v):.1f} s" for k, v in self.seconds.items())
+        return (f"{built} built, {self.kept} kept from an earlier run, {_clock(time.perf_counter() - self.started)}"
+                + (f" (mean per graph: {per_kind})" if per_kind else ""))
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak (VmHWM) for this process (Linux: writing 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
