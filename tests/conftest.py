@@ -75,3 +75,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# `anima-ui` with every `import torch` failing, the way a board without torch behaves.
+_NO_TORCH = """
+import sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, NoTorch())
+from anima_ui.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="session")
+def anima_ui_without_torch() -> list[str]:
+    """The command prefix that runs `anima-ui` in a process where torch cannot be imported."""
+    return [sys.executable, "-c", _NO_TORCH]

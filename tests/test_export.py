@@ -4,7 +4,6 @@ a time, without torch, and resumable graph by graph."""
 import json
 import shutil
 import subprocess
-import sys
 
 import onnx
 import pytest
@@ -17,27 +16,14 @@ from anima_ui.model.tensor_file import TensorFile
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime.manifest import Manifest, sha256_file
 
-# Runs a command with every `import torch` failing, the way a board without torch behaves.
-NO_TORCH = """
-import sys
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in this test")
-sys.meta_path.insert(0, NoTorch())
-from anima_ui.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 @pytest.fixture(scope="module")
 def tiny_models(tiny_model, tmp_path_factory):
     return shutil.copytree(tiny_model, tmp_path_factory.mktemp("export") / "tiny")  # the export writes into it
 
 
-def test_export_command_writes_graphs_and_manifest_without_torch(tiny_models):
+def test_export_command_writes_graphs_and_manifest_without_torch(tiny_models, anima_ui_without_torch):
     result = subprocess.run(
-        [sys.executable, "-c", NO_TORCH, "export", "--models", str(tiny_models), "--width", "96", "--height", "64", "--batch", "2"],
+        [*anima_ui_without_torch, "export", "--models", str(tiny_models), "--width", "96", "--height", "64", "--batch", "2"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr

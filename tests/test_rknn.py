@@ -2,12 +2,13 @@
 tiny model, convert it with rknn-toolkit2 and check every graph on the toolkit's simulator."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from anima_ui.convert.convert_rknn import MIN_SIM_COSINE, VENV_PYTHON
+from anima_ui.convert.convert_rknn import MIN_SIM_COSINE, VENV_PYTHON, WORKER
 from anima_ui.convert.export import export_graphs
 from anima_ui.runtime.manifest import Manifest
 
@@ -59,3 +60,31 @@ def test_convert_rknn_refuses_a_non_onnx_folder(exported, tmp_path):
     assert result.returncode == 2
     assert "point --onnx at an `anima-ui export` folder" in result.stderr
     assert json.loads((tmp_path / "manifest.json").read_text())["format"] == "rknn"
+
+
+# Compiles one graph with the toolkit's verbose log and prints the op table rows as "OpType Target".
+OP_TABLE = r"""
+import re, sys
+sys.path.insert(0, sys.argv[1])
+from rknn_worker import import_rknn
+RKNN = import_rknn()
+rknn = RKNN(verbose=True)
+rknn.config(target_platform="rk3588", float_dtype="float16")
+assert rknn.load_onnx(model=sys.argv[2]) == 0 and rknn.build(do_quantization=False) == 0
+rknn.release()
+"""
+
+
+@pytest.mark.parametrize("kind,fused", [("self_attn", {"exSDPAttention", "exNorm"}), ("cross_attn", {"exSDPAttention", "exNorm"}),
+                                        ("mlp", {"ConvExGelu"})])
+def test_built_graphs_compile_to_fused_npu_ops(exported, kind, fused):
+    """The patterns the graph builder emits are the ones the RKNN compiler fuses: attention -> exSDPAttention,
+    the q/k RMSNorm -> exNorm, erf GELU -> ConvExGelu, MatMul by a constant -> Conv; every op on the NPU."""
+    result = subprocess.run([str(VENV_PYTHON), "-c", OP_TABLE, str(WORKER.parent), str(exported / "onnx" / f"block00_{kind}.onnx")],
+                            capture_output=True, text=True, timeout=300, cwd=exported)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = re.findall(r"RKNN: \[[\d:.]+\] \d+\s+(\w+)\s+FLOAT16\s+(NPU|CPU)\s", result.stdout + result.stderr)
+    ops = {op for op, target in rows}
+    assert fused <= ops and "Conv" in ops
+    assert {op for op, target in rows if target == "CPU"} <= {"InputOperator", "OutputOperator"}
+    assert not ops & {"MatMul", "Softmax", "Erf", "ReduceMean", "Pow"}  # nothing left unfused

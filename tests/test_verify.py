@@ -50,4 +50,4 @@ def test_verify_fails_when_two_blocks_graphs_are_swapped(tiny_models, tmp_path):
 def test_verify_rknn_without_converted_graphs_says_what_to_run(tiny_models):
     result = verify(tiny_models, "--backend", "rknn")
     assert result.returncode == 2
-    assert "run `anima-ui export` and `anima-ui convert-rknn` for 64x64 first" in result.stderr
+    assert "--width 64 --height 64` first" in result.stderr and "run `anima-ui prepare --models" in result.stderr

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "spectrum": "Spectrum quality vs full computation and vs fewer Euler steps",
     "text": "Qwen3 text encoder per prompt: NumPy (the app's), onnxruntime, torch; seconds and peak RSS",
     "vae": "decode seconds and peak RSS of every decoder; preview cost per step",
+    "prepare": "export and RKNN conversion per graph kind: seconds, peak RSS, parallel workers, projected board total",
 }
 
 

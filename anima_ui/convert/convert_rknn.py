@@ -50,7 +50,8 @@ def convert_rknn(onnx_dir, out_dir, target: str = "rk3588", python=VENV_PYTHON, 
     source = Manifest.read(onnx_dir)
     if source.format != "onnx":
         raise UserError(f"{onnx_dir} holds {source.format} graphs; point --onnx at an `anima-ui export` folder")
-    toolkit = toolkit_info(python)["rknn-toolkit2"]
+    info = toolkit_info(python)
+    toolkit = info["rknn-toolkit2"]
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with folder_lock(out_dir):
@@ -78,7 +79,7 @@ def convert_rknn(onnx_dir, out_dir, target: str = "rk3588", python=VENV_PYTHON, 
         manifest = Manifest(
             format="rknn", width=source.width, height=source.height, batch=source.batch, dtype="fp16", graphs=graphs,
             source={"onnx_manifest_sha256": sha256_file(onnx_dir / "manifest.json"), "checkpoint": source.source},
-            tools={"rknn-toolkit2": toolkit, "target": target},
+            tools={"rknn-toolkit2": toolkit, "target": target, "python": info["python"], "torch": info["torch"]},
         )
         finish_folder(out_dir, manifest)
     return manifest

@@ -1,0 +1,127 @@
+"""`anima-ui bench prepare --models DIR`: what `anima-ui prepare` costs at this model's size, per phase.
+
+(1) export: every branch graph, in a fresh process, as `prepare` runs it: seconds per graph kind and the
+    process's peak RSS (VmHWM).
+(2) conversion: a sample of --blocks blocks (3 graphs each), one worker, then the same sample with
+    --jobs workers: seconds per graph kind (build + simulator check) and each graph's peak RSS.
+(3) the projected totals for all graphs, here and on an RK3588 (its Cortex-A76 cores taken as
+    --board-factor times slower than this machine's cores).
+
+Run at full size under `flock /work/fullsize.lock` (about 25 min with --blocks 2 on 2 cores)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from anima_ui.convert.convert_rknn import convert_rknn
+from anima_ui.convert.export import record_path
+from anima_ui.modelfiles import ModelPaths
+from anima_ui.runtime.manifest import KINDS, Manifest
+
+
+def add_arguments(parser):
+    parser.add_argument("--models", required=True, help="model folder (e.g. a full-size random model)")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=2, help="blocks whose 3 graphs are converted as the sample")
+    parser.add_argument("--jobs", type=int, default=2, help="workers for the parallel conversion row")
+    parser.add_argument("--board-factor", type=float, default=2.5,
+                        help="how many times slower one RK3588 Cortex-A76 core is than one core here (see docs/prepare.md)")
+    parser.add_argument("--work", help="keep the export here (reused by the next run) instead of a temp folder")
+
+
+def run(args) -> int:
+    work = Path(args.work or tempfile.mkdtemp(prefix="anima-bench-prepare-"))
+    work.mkdir(parents=True, exist_ok=True)
+    onnx_dir = work / "onnx"
+    command = [sys.executable, "-m", "anima_ui.bench.prepare", str(ModelPaths.find(args.models).dit), str(onnx_dir),
+               str(args.width), str(args.height)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stderr[-2000:], file=sys.stderr)
+        return 1
+    export = json.loads(done.stdout.strip().splitlines()[-1])
+    manifest = Manifest.read(onnx_dir)
+    blocks = manifest.cycle()[-1][0] + 1
+
+    sample = _sample_folder(onnx_dir, manifest, args.blocks, work / "sample")
+    serial = _convert(sample, work / "rknn-serial", 1)
+    parallel = _convert(sample, work / "rknn-parallel", args.jobs)
+
+    print(f"anima-ui prepare at {args.width}x{args.height}, {blocks} blocks ({len(manifest.graphs)} graphs), "
+          f"{os.cpu_count()} cores here")
+    print(f"{'phase':<34} {'self_attn s':>11} {'cross_attn s':>12} {'mlp s':>7} {'peak RSS MiB':>12} {'all graphs here':>15} "
+          f"{f'board (x{args.board_factor:g})':>14}")
+    export_total = sum(export["seconds"][k] * blocks for k in KINDS)
+    print(f"{'export (fresh process, all graphs)':<34} {export['seconds']['self_attn']:11.2f} {export['seconds']['cross_attn']:12.2f} "
+          f"{export['seconds']['mlp']:7.2f} {export['peak_rss_mib']:12.0f} {_clock(export_total):>15} "
+          f"{_clock(export_total * args.board_factor):>14}")
+    convert_total = sum(serial["seconds"][k] * blocks for k in KINDS)
+    print(f"{'convert, 1 worker (sample)':<34} {serial['seconds']['self_attn']:11.1f} {serial['seconds']['cross_attn']:12.1f} "
+          f"{serial['seconds']['mlp']:7.1f} {serial['peak_rss_mib']:12.0f} {_clock(convert_total):>15} "
+          f"{_clock(convert_total * args.board_factor):>14}")
+    speedup = serial["wall"] / parallel["wall"]
+    print(f"{f'convert, {args.jobs} workers (same sample)':<34} {'':>11} {'':>12} {'':>7} {parallel['peak_rss_mib']:12.0f} "
+          f"{_clock(convert_total / speedup):>15} {'':>14}")
+    print(f"sample: blocks 0..{args.blocks - 1} ({3 * args.blocks} graphs); wall {serial['wall']:.0f} s with 1 worker, "
+          f"{parallel['wall']:.0f} s with {args.jobs} ({speedup:.2f}x); conversion peak = the largest graph's worker VmHWM")
+    print(f"projected prepare on the board (export + 1-worker conversion): {_clock((export_total + convert_total) * args.board_factor)}")
+    if not args.work:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _sample_folder(onnx_dir: Path, manifest: Manifest, blocks: int, folder: Path) -> Path:
+    """The first `blocks` blocks of an export as a folder of their own (links, and a manifest of just them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = dataclasses.replace(manifest, graphs=[g for g in manifest.graphs if g.block < blocks])
+    for g in manifest.graphs:
+        for name in (g.file, record_path(onnx_dir, g.file).name):
+            if not (folder / name).exists():
+                os.link(onnx_dir / name, folder / name)
+    manifest.write(folder)
+    return folder
+
+
+def _convert(sample: Path, out: Path, jobs: int) -> dict:
+    results = []
+    started = time.perf_counter()
+    convert_rknn(sample, out, progress=lambda *event: results.append(event[5]) if not event[4] else None, jobs=jobs)
+    wall = time.perf_counter() - started
+    seconds = {k: _mean([r["build_seconds"] + r["check_seconds"] for r in results if k in r["file"]]) for k in KINDS}
+    return {"seconds": seconds, "wall": wall, "peak_rss_mib": max((r["peak_rss_mib"] for r in results), default=float("nan"))}
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _export_in_this_process(checkpoint: str, out: str, width: int, height: int) -> None:
+    """The export phase exactly as `prepare` runs it; prints its per-kind seconds and this process's peak RSS."""
+    from anima_ui.convert.export import export_graphs
+    from anima_ui.convert.prepare import peak_rss_mib
+
+    seconds = {k: [] for k in KINDS}
+
+    def progress(done, total, file, elapsed, reused):
+        if not reused:
+            seconds[next(k for k in KINDS if k in file)].append(elapsed)
+
+    export_graphs(checkpoint, width, height, out, progress=progress)
+    print(json.dumps({"seconds": {k: _mean(v) for k, v in seconds.items()}, "peak_rss_mib": peak_rss_mib()}))
+
+
+if __name__ == "__main__":
+    _export_in_this_process(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
