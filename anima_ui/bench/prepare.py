@@ -53,24 +53,22 @@ def run(args) -> int:
     serial = _convert(sample, work / "rknn-serial", 1)
     parallel = _convert(sample, work / "rknn-parallel", args.jobs)
 
+    factor = args.board_factor
     print(f"anima-ui prepare at {args.width}x{args.height}, {blocks} blocks ({len(manifest.graphs)} graphs), "
-          f"{os.cpu_count()} cores here")
-    print(f"{'phase':<34} {'self_attn s':>11} {'cross_attn s':>12} {'mlp s':>7} {'peak RSS MiB':>12} {'all graphs here':>15} "
-          f"{f'board (x{args.board_factor:g})':>14}")
-    export_total = sum(export["seconds"][k] * blocks for k in KINDS)
-    print(f"{'export (fresh process, all graphs)':<34} {export['seconds']['self_attn']:11.2f} {export['seconds']['cross_attn']:12.2f} "
-          f"{export['seconds']['mlp']:7.2f} {export['peak_rss_mib']:12.0f} {_clock(export_total):>15} "
-          f"{_clock(export_total * args.board_factor):>14}")
-    convert_total = sum(serial["seconds"][k] * blocks for k in KINDS)
-    print(f"{'convert, 1 worker (sample)':<34} {serial['seconds']['self_attn']:11.1f} {serial['seconds']['cross_attn']:12.1f} "
-          f"{serial['seconds']['mlp']:7.1f} {serial['peak_rss_mib']:12.0f} {_clock(convert_total):>15} "
-          f"{_clock(convert_total * args.board_factor):>14}")
+          f"{os.cpu_count()} cores here, load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"{'phase (seconds per graph: wall / CPU)':<40} {'self_attn':>11} {'cross_attn':>11} {'mlp':>11} {'peak RSS MiB':>12} "
+          f"{'all, here (CPU)':>15} {f'board (CPU x{factor:g})':>17}")
+    for name, row in ((f"export (fresh process, all graphs)", export), ("convert, 1 worker (sample)", serial)):
+        total = sum(row["cpu"][k] * blocks for k in KINDS)
+        cells = " ".join(f"{row['seconds'][k]:5.1f}/{row['cpu'][k]:<5.1f}" for k in KINDS)
+        print(f"{name:<40} {cells} {row['peak_rss_mib']:12.0f} {_clock(total):>15} {_clock(total * factor):>17}")
     speedup = serial["wall"] / parallel["wall"]
-    print(f"{f'convert, {args.jobs} workers (same sample)':<34} {'':>11} {'':>12} {'':>7} {parallel['peak_rss_mib']:12.0f} "
-          f"{_clock(convert_total / speedup):>15} {'':>14}")
-    print(f"sample: blocks 0..{args.blocks - 1} ({3 * args.blocks} graphs); wall {serial['wall']:.0f} s with 1 worker, "
+    print(f"{f'convert, {args.jobs} workers (same sample)':<40} {'':>35} {parallel['peak_rss_mib']:12.0f}")
+    print(f"export wall time, all graphs: {_clock(export['wall'])}")
+    print(f"sample: blocks 0..{args.blocks - 1} ({3 * args.blocks} graphs); conversion wall {serial['wall']:.0f} s with 1 worker, "
           f"{parallel['wall']:.0f} s with {args.jobs} ({speedup:.2f}x); conversion peak = the largest graph's worker VmHWM")
-    print(f"projected prepare on the board (export + 1-worker conversion): {_clock((export_total + convert_total) * args.board_factor)}")
+    board = sum((export["cpu"][k] + serial["cpu"][k]) * blocks for k in KINDS) * factor
+    print(f"projected prepare on the board (export + 1-worker conversion, CPU seconds x{factor:g}): {_clock(board)}")
     if not args.work:
         import shutil
 
@@ -96,7 +94,9 @@ def _convert(sample: Path, out: Path, jobs: int) -> dict:
     convert_rknn(sample, out, progress=lambda *event: results.append(event[5]) if not event[4] else None, jobs=jobs)
     wall = time.perf_counter() - started
     seconds = {k: _mean([r["build_seconds"] + r["check_seconds"] for r in results if k in r["file"]]) for k in KINDS}
-    return {"seconds": seconds, "wall": wall, "peak_rss_mib": max((r["peak_rss_mib"] for r in results), default=float("nan"))}
+    cpu = {k: _mean([r["cpu_seconds"] for r in results if k in r["file"]]) for k in KINDS}
+    return {"seconds": seconds, "cpu": cpu, "wall": wall,
+            "peak_rss_mib": max((r["peak_rss_mib"] for r in results), default=float("nan"))}
 
 
 def _mean(values):
@@ -113,14 +113,21 @@ def _export_in_this_process(checkpoint: str, out: str, width: int, height: int) 
     from anima_ui.convert.export import export_graphs
     from anima_ui.convert.prepare import peak_rss_mib
 
-    seconds = {k: [] for k in KINDS}
+    seconds, cpu = {k: [] for k in KINDS}, {k: [] for k in KINDS}
+    cpu_before = [time.process_time()]
 
     def progress(done, total, file, elapsed, reused):
+        now = time.process_time()
         if not reused:
-            seconds[next(k for k in KINDS if k in file)].append(elapsed)
+            kind = next(k for k in KINDS if k in file)
+            seconds[kind].append(elapsed)
+            cpu[kind].append(now - cpu_before[0])
+        cpu_before[0] = now
 
+    started = time.perf_counter()
     export_graphs(checkpoint, width, height, out, progress=progress)
-    print(json.dumps({"seconds": {k: _mean(v) for k, v in seconds.items()}, "peak_rss_mib": peak_rss_mib()}))
+    print(json.dumps({"seconds": {k: _mean(v) for k, v in seconds.items()}, "cpu": {k: _mean(v) for k, v in cpu.items()},
+                      "wall": time.perf_counter() - started, "peak_rss_mib": peak_rss_mib()}))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -93,6 +94,7 @@ def check_inputs(graph: dict, seed: int) -> list:
 def convert_one(RKNN, onnx_path: Path, rknn_path: Path, graph: dict, target: str, seed: int) -> dict:
     temp = rknn_path.with_name(f".{rknn_path.name}.partial-{os.getpid()}")
     rknn = RKNN(verbose=False)
+    cpu_started = cpu_seconds()
     try:
         started = time.perf_counter()
         rknn.config(target_platform=target, float_dtype="float16")
@@ -119,6 +121,7 @@ def convert_one(RKNN, onnx_path: Path, rknn_path: Path, graph: dict, target: str
     a, b = np.where(finite, simulated, 0).ravel(), expected.ravel()
     cosine = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
     return {
+        "cpu_seconds": round(cpu_seconds() - cpu_started, 3),  # less disturbed by a busy machine than wall time
         "build_seconds": round(build_seconds, 3),
         "check_seconds": round(check_seconds, 3),
         "sim_cosine": cosine,
@@ -126,6 +129,12 @@ def convert_one(RKNN, onnx_path: Path, rknn_path: Path, graph: dict, target: str
         "sim_nonfinite": int((~finite).sum()),
         "sim_shape_ok": list(simulated.shape) == list(graph["outputs"][0]["shape"]),
     }
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process's threads and of the child processes it waited for."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def reset_peak_rss() -> None:
