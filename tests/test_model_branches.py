@@ -2,6 +2,7 @@
 graphs torch used to export; they use plain ops only; cross_attention_kv and the branch bodies match a direct NumPy transcription of the spec."""
 
 import math
+import warnings
 
 import numpy as np
 import onnx
@@ -52,7 +53,8 @@ def built_graph(cfg, state, kind, batch, dtype="float32", block=1):
 
 def torch_exported_graph(module, kind, inputs, path, dtype=torch.float32) -> onnx.ModelProto:
     """What `anima-ui export` wrote before the graphs were built directly (TorchScript exporter, opset 19)."""
-    with torch.inference_mode():
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(module.to(dtype), tuple(torch.from_numpy(inputs[n]).to(dtype) for n in BRANCH_INPUTS[kind]), str(path),
                           input_names=list(BRANCH_INPUTS[kind]), output_names=["out"], opset_version=19, dynamo=False)
     return onnx.load(str(path))
