@@ -4,8 +4,9 @@
     process's peak RSS (VmHWM).
 (2) conversion: a sample of --blocks blocks (3 graphs each), one worker, then the same sample with
     --jobs workers: seconds per graph kind (build + simulator check) and each graph's peak RSS.
-(3) the projected totals for all graphs, here and on an RK3588 (its Cortex-A76 cores taken as
-    --board-factor times slower than this machine's cores).
+(3) the projected totals for all graphs, here and on an RK3588: CPU seconds times --board-factor (how many
+    times slower a Cortex-A76 core is than a core here). CPU seconds, not wall time, because a machine shared
+    with other work stretches wall time.
 
 Run at full size under `flock /work/fullsize.lock` (about 25 min with --blocks 2 on 2 cores)."""
 
@@ -30,8 +31,12 @@ def add_arguments(parser):
     parser.add_argument("--height", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=2, help="blocks whose 3 graphs are converted as the sample")
     parser.add_argument("--jobs", type=int, default=2, help="workers for the parallel conversion row")
-    parser.add_argument("--board-factor", type=float, default=2.5,
-                        help="how many times slower one RK3588 Cortex-A76 core is than one core here (see docs/prepare.md)")
+    parser.add_argument("--board-factor", type=float, default=1.5,
+                        help="how many times slower one RK3588 Cortex-A76 core is than one core here. 1.5 by default: on "
+                             "7-Zip's single-thread benchmark a ROCK 5B A76 core rates 3146 MIPS (sbc-bench's published "
+                             "result) and the AMD EPYC (Zen 3) cores of the machine this was written on 2900-3150, i.e. ~1x "
+                             "for integer work; Zen 3's 256-bit SIMD against the A76's 128-bit NEON can make the numeric "
+                             "parts up to ~2x slower on the board")
     parser.add_argument("--work", help="keep the export here (reused by the next run) instead of a temp folder")
 
 
