@@ -13,6 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from anima_ui.convert import convert_rknn
 from anima_ui.errors import UserError
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime.graphs import graphs_ready
@@ -112,30 +113,28 @@ def _download_url(url: str, target: Path, label: str, chunk_bytes: int = 1 << 22
 
 def prepare(models_dir, backend: str, width: int = 512, height: int = 512):
     """Generator: progress lines while the downloaded model is made ready for `backend`: the ONNX export for
-    onnx/sim, and for rknn also the RKNN conversion where this machine has the toolkit (an x86-64 PC with
-    .venv-rknn); the board itself cannot convert, so there the lines say where to do it."""
-    # convert_rknn imports the ONNX exporter, which needs torch (optional: the board installs none)
-    from anima_ui.convert import convert_rknn
-
+    onnx/sim; for rknn `anima-ui prepare` (export and FP16 RKNN conversion, on the board as on a PC), which needs
+    the conversion environment .venv-rknn."""
     if backend == "torch":
         return
     paths = ModelPaths.find(models_dir)
     exported, converted = paths.exported_dir(width, height), paths.rknn_dir(width, height)
-    if backend == "rknn" and graphs_ready(converted):
-        return
-    if backend == "rknn" and not convert_rknn.VENV_PYTHON.exists():
-        yield (f"RKNN graphs for {width}x{height} are missing: convert them on an x86-64 PC with "
-               "`anima-ui export` and `anima-ui convert-rknn` (README, 'On the board'), then copy models/ here")
-        return
-    if not graphs_ready(exported):
-        yield from _run_cli("export", "--models", str(models_dir), "--width", str(width), "--height", str(height))
     if backend == "rknn":
-        yield from _run_cli("convert-rknn", "--onnx", str(exported), "--out", str(converted), "--target", "rk3588")
+        if graphs_ready(converted):
+            return
+        if not convert_rknn.VENV_PYTHON.exists():
+            yield (f"RKNN graphs for {width}x{height} are missing: make the conversion environment with "
+                   "`bash scripts/make_rknn_venv.sh` (on this board or a PC), then press Download again "
+                   f"or run `anima-ui prepare --models {models_dir}`")
+            return
+        yield from _run_cli("prepare", "--models", str(models_dir), "--width", str(width), "--height", str(height))
+    elif not graphs_ready(exported):
+        yield from _run_cli("export", "--models", str(models_dir), "--width", str(width), "--height", str(height))
 
 
 def _run_cli(*args):
-    """Run an `anima-ui` command in a child process (the export needs the whole fp32 DiT, which the server
-    should not keep), yielding its output lines; a failure ends in a UserError with its last line."""
+    """Run an `anima-ui` command in a child process (a crash or kill of the long preparation never takes the
+    server with it), yielding its output lines; a failure ends in a UserError with its last line."""
     label = f"anima-ui {args[0]}"
     yield f"{label}: starting"
     process = subprocess.Popen([sys.executable, "-m", "anima_ui", *args], stdout=subprocess.PIPE,

@@ -1,5 +1,5 @@
-"""After the download, the app prepares the model for its backend: ONNX export, and RKNN conversion where the
-toolkit is present (else it says where to convert)."""
+"""After the download, the app prepares the model for its backend: ONNX export, or `anima-ui prepare` (export and
+RKNN conversion) where the conversion environment is present (else it says how to make it)."""
 
 import json
 import shutil
@@ -31,12 +31,13 @@ def test_onnx_exports_the_graphs_once(tiny):
 def test_rknn_without_the_toolkit_says_where_to_convert(tiny, monkeypatch, tmp_path):
     monkeypatch.setattr(convert_rknn, "VENV_PYTHON", tmp_path / "no-venv" / "bin" / "python")
     (line,) = download.prepare(tiny, "rknn", 64, 64)
-    assert "convert-rknn" in line and "x86-64 PC" in line
+    assert "scripts/make_rknn_venv.sh" in line and f"anima-ui prepare --models {tiny}" in line
     assert not (tiny / "exported").exists() and not (tiny / "rknn").exists()
 
 
 @pytest.mark.rknn
 def test_rknn_with_the_toolkit_exports_and_converts(tiny):
     lines = list(download.prepare(tiny, "rknn", 64, 64))
-    assert lines[-1] == "anima-ui convert-rknn: done"
+    assert lines[0] == "anima-ui prepare: starting" and lines[-1] == "anima-ui prepare: done"
+    assert any("convert 6/6" in line for line in lines)
     assert (tiny / "rknn" / "64x64" / "manifest.json").is_file()

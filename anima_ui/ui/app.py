@@ -293,8 +293,10 @@ class App:
                             elem_id="demo-banner")
             with gr.Group(visible=bool(self.missing), elem_id="missing"):
                 plan = download.download_plan(config.models_dir)
+                then = ("; then the button exports and converts the graphs for the NPU, as `anima-ui prepare` does "
+                        "(resumable: press it again after an interruption)" if config.backend == "rknn" else "")
                 gr.Markdown(f"⚠️ **The model is not ready:** {self.missing}\n\n"
-                            f"Download the official files ({len(plan)} files) into `{config.models_dir}`:\n\n"
+                            f"Download the official files ({len(plan)} files) into `{config.models_dir}`{then}:\n\n"
                             + "\n".join(f"- `{d.dest}` ← {d.url}" for d in plan))
                 fetch = gr.Button("Download the official files", elem_id="download")
                 fetch_log = gr.Markdown(elem_id="download-log")
