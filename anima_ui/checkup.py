@@ -153,13 +153,13 @@ def _toolkit_row(graphs: list[Path], library: board.Librknnrt) -> Row:
     """The toolkit each converted size was made with, against the runtime that will load it (runtime >= toolkit)."""
     if not graphs:
         return Row("converted graphs", "skip", "none in the model folder",
-                   "convert on a PC: `anima-ui export`, then `anima-ui convert-rknn` (README, 'On the board')")
+                   "make them here or on a PC: `anima-ui prepare --models <folder>` (README, 'On the board')")
     parts, gaps, unknown = [], [], False
     for folder in graphs:
         try:
             toolkit = Manifest.read(folder).tools.get("rknn-toolkit2")
         except UserError as exc:
-            return Row("converted graphs", "fail", str(exc), "convert again with `anima-ui convert-rknn`")
+            return Row("converted graphs", "fail", str(exc), "convert again: `anima-ui prepare --models <folder>`")
         parts.append(f"{folder.name} by rknn-toolkit2 {toolkit}")
         covers = board.runtime_covers(library.version, toolkit)
         gaps += [toolkit] if covers is False else []
@@ -267,7 +267,7 @@ def _hash_rows(models: Path, progress) -> list[Row]:
             value += (f"; differ: {', '.join(bad[:3])}" if bad else "") + (f"; {'; '.join(notes)}" if notes else "")
             fix = None
             if bad:
-                fix = "export again (`anima-ui export`)" if kind == "exported" else "convert again (`anima-ui convert-rknn`) or copy the folder again"
+                fix = "`anima-ui prepare --models <folder>` rebuilds the graphs that differ (or copy the folder again)"
             elif notes:
                 fix = "export (and convert) again from the checkpoint in this folder"
             rows.append(Row(f"hashes {kind}/{folder.name}", status, value, fix))
@@ -326,7 +326,7 @@ def _npu_run(models: Path, graphs: list[Path], width, height, core_mask: str, li
     twin = models / "exported" / folder.name / twin_file
     if not twin.is_file():
         return Row("NPU run", "warn", f"{ran}; no ONNX twin {twin} to compare with",
-                   f"copy models/exported/{folder.name} from the PC (the fp32 graphs `anima-ui export` wrote)"), versions
+                   f"`anima-ui prepare` writes models/exported/{folder.name} too (or copy it from the PC where it ran)"), versions
     if entry.extra.get("onnx_sha256") and sha256_file(twin) != entry.extra["onnx_sha256"]:
         return Row("NPU run", "warn", f"{ran}; {twin} is not the ONNX graph it was converted from",
                    "copy the matching exported folder from the PC"), versions
