@@ -13,6 +13,7 @@ Run at full size under `flock /work/fullsize.lock` (about 25 min with --blocks 2
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,8 @@ import time
 from pathlib import Path
 
 from anima_ui.convert.convert_rknn import convert_rknn
-from anima_ui.convert.export import record_path
+from anima_ui.convert.export import export_graphs, record_path
+from anima_ui.convert.prepare import peak_rss_mib
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime.manifest import KINDS, Manifest
 
@@ -75,8 +77,6 @@ def run(args) -> int:
     board = sum((export["cpu"][k] + serial["cpu"][k]) * blocks for k in KINDS) * factor
     print(f"projected prepare on the board (export + 1-worker conversion, CPU seconds x{factor:g}): {_clock(board)}")
     if not args.work:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
@@ -115,9 +115,6 @@ def _clock(seconds: float) -> str:
 
 def _export_in_this_process(checkpoint: str, out: str, width: int, height: int) -> None:
     """The export phase exactly as `prepare` runs it; prints its per-kind seconds and this process's peak RSS."""
-    from anima_ui.convert.export import export_graphs
-    from anima_ui.convert.prepare import peak_rss_mib
-
     seconds, cpu = {k: [] for k in KINDS}, {k: [] for k in KINDS}
     cpu_before = [time.process_time()]
 

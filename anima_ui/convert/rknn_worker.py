@@ -61,7 +61,7 @@ def import_rknn():
         import torch  # noqa: F401  (optional: only the toolkit's quantizers need it)
     except ImportError:
         sys.modules.update(torch_stand_in())
-    from rknn.api import RKNN
+    from rknn.api import RKNN  # here, not at the top: only once the stand-in (if needed) is in place
 
     return RKNN
 
