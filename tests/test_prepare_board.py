@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-from anima_ui.commands.random_model import write_bf16_safetensors, write_random_model
 from anima_ui.convert.convert_rknn import MIN_SIM_COSINE, VENV_PYTHON
-from anima_ui.model.checkpoint import dit_param_shapes, random_dit_state
+from anima_ui.fixtures.model import write_random_model
+from anima_ui.fixtures.weights import write_random_dit
 from anima_ui.model.config import AnimaConfig
 from anima_ui.runtime.manifest import Manifest
 
@@ -38,10 +38,7 @@ def wide_mirror(tmp_path_factory):
     """The tiny model with a wider DiT (width 1024, FFN 4096), so that one graph takes long enough to be killed mid-way."""
     folder = write_random_model(tmp_path_factory.mktemp("mirror") / "wide", "tiny", 0)
     cfg = replace(AnimaConfig.tiny(), width=1024, num_heads=8, head_dim=128, mlp_dim=4096)
-    state = random_dit_state(cfg, 1)
-    shapes = {"net." + key: shape for key, shape in dit_param_shapes(cfg).items()}
-    write_bf16_safetensors(folder / "diffusion_models" / "anima-base-v1.0.safetensors", shapes,
-                           lambda name: state.pop(name[len("net."):]))
+    write_random_dit(folder / "diffusion_models" / "anima-base-v1.0.safetensors", cfg, 1)
     return folder
 
 
