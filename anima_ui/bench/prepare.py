@@ -23,8 +23,9 @@ from pathlib import Path
 from anima_ui.convert.convert_rknn import convert_rknn
 from anima_ui.convert.export import export_graphs, record_path
 from anima_ui.convert.prepare import peak_rss_mib
+from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.modelfiles import ModelPaths
-from anima_ui.runtime.manifest import KINDS, Manifest
+from anima_ui.runtime.manifest import Manifest
 
 
 def add_arguments(parser):
@@ -66,15 +67,15 @@ def run(args) -> int:
     print(f"{'phase (seconds per graph: wall / CPU)':<40} {'self_attn':>11} {'cross_attn':>11} {'mlp':>11} {'peak RSS MiB':>12} "
           f"{'all, here (CPU)':>15} {f'board (CPU x{factor:g})':>17}")
     for name, row in ((f"export (fresh process, all graphs)", export), ("convert, 1 worker (sample)", serial)):
-        total = sum(row["cpu"][k] * blocks for k in KINDS)
-        cells = " ".join(f"{row['seconds'][k]:5.1f}/{row['cpu'][k]:<5.1f}" for k in KINDS)
+        total = sum(row["cpu"][k] * blocks for k in BRANCH_KINDS)
+        cells = " ".join(f"{row['seconds'][k]:5.1f}/{row['cpu'][k]:<5.1f}" for k in BRANCH_KINDS)
         print(f"{name:<40} {cells} {row['peak_rss_mib']:12.0f} {_clock(total):>15} {_clock(total * factor):>17}")
     speedup = serial["wall"] / parallel["wall"]
     print(f"{f'convert, {args.jobs} workers (same sample)':<40} {'':>35} {parallel['peak_rss_mib']:12.0f}")
     print(f"export wall time, all graphs: {_clock(export['wall'])}")
     print(f"sample: blocks 0..{args.blocks - 1} ({3 * args.blocks} graphs); conversion wall {serial['wall']:.0f} s with 1 worker, "
           f"{parallel['wall']:.0f} s with {args.jobs} ({speedup:.2f}x); conversion peak = the largest graph's worker VmHWM")
-    board = sum((export["cpu"][k] + serial["cpu"][k]) * blocks for k in KINDS) * factor
+    board = sum((export["cpu"][k] + serial["cpu"][k]) * blocks for k in BRANCH_KINDS) * factor
     print(f"projected prepare on the board (export + 1-worker conversion, CPU seconds x{factor:g}): {_clock(board)}")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
@@ -98,8 +99,8 @@ def _convert(sample: Path, out: Path, jobs: int) -> dict:
     started = time.perf_counter()
     convert_rknn(sample, out, progress=lambda *event: results.append(event[5]) if not event[4] else None, jobs=jobs)
     wall = time.perf_counter() - started
-    seconds = {k: _mean([r["build_seconds"] + r["check_seconds"] for r in results if k in r["file"]]) for k in KINDS}
-    cpu = {k: _mean([r["cpu_seconds"] for r in results if k in r["file"]]) for k in KINDS}
+    seconds = {k: _mean([r["build_seconds"] + r["check_seconds"] for r in results if k in r["file"]]) for k in BRANCH_KINDS}
+    cpu = {k: _mean([r["cpu_seconds"] for r in results if k in r["file"]]) for k in BRANCH_KINDS}
     return {"seconds": seconds, "cpu": cpu, "wall": wall,
             "peak_rss_mib": max((r["peak_rss_mib"] for r in results), default=float("nan"))}
 
@@ -115,13 +116,13 @@ def _clock(seconds: float) -> str:
 
 def _export_in_this_process(checkpoint: str, out: str, width: int, height: int) -> None:
     """The export phase exactly as `prepare` runs it; prints its per-kind seconds and this process's peak RSS."""
-    seconds, cpu = {k: [] for k in KINDS}, {k: [] for k in KINDS}
+    seconds, cpu = {k: [] for k in BRANCH_KINDS}, {k: [] for k in BRANCH_KINDS}
     cpu_before = [time.process_time()]
 
     def progress(done, total, file, elapsed, reused):
         now = time.process_time()
         if not reused:
-            kind = next(k for k in KINDS if k in file)
+            kind = next(k for k in BRANCH_KINDS if k in file)
             seconds[kind].append(elapsed)
             cpu[kind].append(now - cpu_before[0])
         cpu_before[0] = now
