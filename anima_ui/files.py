@@ -1,18 +1,21 @@
-"""Writing files so that a reader, or a later run after a kill, never sees half of one."""
+"""Writing files so that a reader, or a later run after a kill, never sees half of one: the one atomic writer of
+the app (images and their sidecars, presets, latents, graphs, their records and manifests)."""
 
 import os
+import uuid
 from pathlib import Path
 
 PARTIAL = ".partial-"  # in the name of a temp file that a killed writer may leave behind
 
 
-def write_atomic(path, data: bytes | str) -> None:
-    """Write `data` to a temp file beside `path` (same filesystem), flush it to disk, then rename it over `path`."""
+def write_atomically(path, write) -> None:
+    """write(binary_file) into a temp file beside `path` (same filesystem), flushed to disk, then renamed over
+    `path`: a reader sees the old file, none, or the whole new one."""
     path = Path(path)
-    temp = path.with_name(f".{path.name}{PARTIAL}{os.getpid()}")
+    temp = path.with_name(f".{path.name}{PARTIAL}{uuid.uuid4().hex[:8]}")
     try:
         with open(temp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)

@@ -3,7 +3,6 @@ measured summary). Both are written to a temp file and renamed; the JSON is rena
 crash leaves either a complete item or nothing that is listed."""
 
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from anima_ui.errors import UserError
+from anima_ui.files import write_atomically
 from anima_ui.infotext import format_infotext, format_seconds, settings_from_infotext
 from anima_ui.sampling.spectrum import canonical
 
@@ -105,19 +105,6 @@ def _plain(value):
     if hasattr(value, "item"):
         return value.item()
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def write_atomically(path: Path, write) -> None:
-    """write(binary_file) into a temp file next to `path`, then rename it over `path`."""
-    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(temp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
 
 
 def save_png(image: Image.Image, path: Path, infotext: str) -> None:

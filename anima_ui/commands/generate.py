@@ -9,7 +9,8 @@ import numpy as np
 from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_options
 from anima_ui.commands.spectrum_flags import add_spectrum_arguments, spectrum_config
 from anima_ui.errors import UserError
-from anima_ui.history import save_png, write_atomically
+from anima_ui.files import write_atomically
+from anima_ui.history import save_png
 from anima_ui.infotext import format_infotext
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.pipeline import Pipeline, PhaseEvent, ResultEvent, StepEvent

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from anima_ui.errors import UserError
-from anima_ui.files import PARTIAL, write_atomic
+from anima_ui.files import PARTIAL, write_atomically
 from anima_ui.model.branch_graphs import BRANCH_WEIGHTS, GRAPHS_VERSION, branch_graph
 from anima_ui.model.checkpoint import open_dit
 from anima_ui.model.config import BRANCH_INPUTS, BRANCH_KINDS, AnimaConfig
@@ -100,7 +100,8 @@ def record_path(folder: Path, file: str) -> Path:
 
 
 def write_record(folder: Path, file: str, record: dict) -> None:
-    write_atomic(record_path(folder, file), json.dumps(record, indent=1, sort_keys=True) + "\n")
+    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+    write_atomically(record_path(folder, file), lambda f: f.write(text.encode()))
 
 
 def read_record(folder: Path, file: str) -> dict | None:

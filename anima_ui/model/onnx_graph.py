@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from anima_ui.files import write_atomic
+from anima_ui.files import write_atomically
 
 OPSET = 19
 IR_VERSION = 9
@@ -112,5 +112,5 @@ def attention(g: Graph, q: str, k: str, v: str, batch: int, tokens: int, heads: 
 def write_model(model: onnx.ModelProto, path) -> str:
     """Write `model` to `path` atomically; returns the sha256 of the bytes written."""
     data = model.SerializeToString()
-    write_atomic(path, data)
+    write_atomically(path, lambda f: f.write(data))
     return hashlib.sha256(data).hexdigest()

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from anima_ui.errors import UserError
+from anima_ui.files import write_atomically
 from anima_ui.model.config import BRANCH_KINDS
-from anima_ui.files import write_atomic
 
 MANIFEST = "manifest.json"
 
@@ -58,7 +58,8 @@ class Manifest:
 
     def write(self, folder) -> None:
         """Atomically: a reader sees the old manifest, none, or the whole new one."""
-        write_atomic(Path(folder, MANIFEST), json.dumps(asdict(self), indent=1) + "\n")
+        text = json.dumps(asdict(self), indent=1) + "\n"
+        write_atomically(Path(folder, MANIFEST), lambda f: f.write(text.encode()))
 
     @classmethod
     def read(cls, folder) -> "Manifest":

@@ -6,7 +6,7 @@ import secrets
 from pathlib import Path
 
 from anima_ui.errors import UserError
-from anima_ui.history import write_atomically
+from anima_ui.files import write_atomically
 from anima_ui.request import GenerationRequest
 from anima_ui.runtime.graphs import ready_graph_folders
 from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, SETTINGS, canonical
