@@ -7,7 +7,9 @@ from safetensors.torch import save_file
 
 from anima_ui.errors import UserError
 from anima_ui.metrics import psnr
-from anima_ui.vae.wan_decoder import (decode_tiled, load_vae_decoder, tile_axis, vae_param_shapes)
+from anima_ui.vae.tiling import decode_tiled, tile_axis
+from anima_ui.vae.wan_decoder import load_vae_decoder
+from anima_ui.vae.weights import vae_param_shapes
 from vae_helpers import diffusers_decode, random_latent, write_vae_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -107,7 +109,7 @@ def test_missing_and_misshapen_keys_are_named(small_vae, tmp_path):
         load_vae_decoder(tmp_path / "absent.safetensors")
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"truncated download")
-    with pytest.raises(UserError, match="cannot read VAE file"):
+    with pytest.raises(UserError, match="not a complete safetensors file"):
         load_vae_decoder(junk)
 
 
