@@ -89,7 +89,8 @@ class Pipeline:
 
     @classmethod
     def load(cls, models_dir, backend: str = "torch", decoder: str = "sdcpp", **runtime_options) -> "Pipeline":
-        """decoder: "sdcpp" (stable-diffusion.cpp's tiled VAE, falling back to torch with a warning) or "torch"."""
+        """decoder: "sdcpp" (stable-diffusion.cpp's tiled VAE, falling back to the onnx decoder with a warning) or
+        "onnx" (the decoder graphs on onnxruntime)."""
         if backend not in BACKENDS:
             raise UserError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
         if decoder not in DECODERS:

@@ -1,10 +1,13 @@
-"""decode_latent: sd.cpp by default, the own torch decoder (with a warning) when the library is unusable."""
+"""decode_latent: sd.cpp by default, the own graph decoder on onnxruntime (with a warning) when the library is
+unusable, or on request."""
 
 import numpy as np
 import pytest
 
 from anima_ui.errors import UserError
+from anima_ui.metrics import psnr
 from anima_ui.vae.decode import decode_latent
+from anima_ui.vae.onnx_decoder import OnnxDecoder
 from anima_ui.vae.wan_decoder import load_vae_decoder
 from vae_helpers import random_latent, write_vae_file
 
@@ -19,32 +22,33 @@ def small_vae(tmp_path_factory):
 
 
 @pytest.mark.parametrize("library", ["absent", "garbage"])
-def test_unusable_native_library_falls_back_to_torch(small_vae, tmp_path, monkeypatch, library):
+def test_unusable_native_library_falls_back_to_onnx(small_vae, tmp_path, monkeypatch, library):
     lib = tmp_path / "libanima_vae.so"
     if library == "garbage":
         lib.write_text("not an ELF file")
     monkeypatch.setenv("ANIMA_VAE_LIB", str(lib))
     latent = random_latent(12, 16)
     image, name, warning = decode_latent(latent, small_vae, threads=1)
-    assert name == "torch"
+    assert name == "onnx"
     assert "stable-diffusion.cpp VAE unavailable" in warning and str(lib) in warning
     assert image.size == (128, 96) and image.mode == "RGB"
-    expected = load_vae_decoder(small_vae).decode(latent, tiled=True)
+    expected = OnnxDecoder(small_vae).decode(latent, tiled=True)
     np.testing.assert_array_equal(np.asarray(image), expected)
 
 
-def test_a_non_release_width_falls_back_to_torch(small_vae):
-    """sd.cpp's WanVAE is fixed at width 96; the tiny random models (width 16) decode with torch."""
+def test_a_non_release_width_falls_back_to_onnx(small_vae):
+    """sd.cpp's WanVAE is fixed at width 96; the tiny random models (width 16) decode with the graph decoder."""
     image, name, warning = decode_latent(random_latent(4, 4), small_vae, threads=1)
-    assert name == "torch" and "VAE width 16" in warning and "release width 96" in warning
+    assert name == "onnx" and "VAE width 16" in warning and "release width 96" in warning
     assert image.size == (32, 32)
 
 
-def test_torch_decoder_on_request_has_no_warning(small_vae):
+def test_onnx_decoder_on_request_has_no_warning(small_vae):
     latent = random_latent(8, 8)
-    image, name, warning = decode_latent(latent, small_vae, prefer="torch", tiled=False)
-    assert (name, warning) == ("torch", None)
-    np.testing.assert_array_equal(np.asarray(image), load_vae_decoder(small_vae).decode(latent))
+    image, name, warning = decode_latent(latent, small_vae, prefer="onnx", tiled=False)
+    assert (name, warning) == ("onnx", None)
+    np.testing.assert_array_equal(np.asarray(image), OnnxDecoder(small_vae).decode(latent))
+    assert psnr(np.asarray(image) / 255.0, load_vae_decoder(small_vae).decode_float(latent)) >= 45.0
 
 
 def test_sdcpp_is_the_default(tmp_path):
@@ -56,8 +60,9 @@ def test_sdcpp_is_the_default(tmp_path):
 
 
 def test_bad_input_is_a_user_error(small_vae):
-    with pytest.raises(UserError, match="unknown VAE decoder"):
-        decode_latent(random_latent(4, 4), small_vae, prefer="gpu")
+    for unknown in ("gpu", "torch"):  # the torch decoder is the tests' reference only
+        with pytest.raises(UserError, match="unknown VAE decoder"):
+            decode_latent(random_latent(4, 4), small_vae, prefer=unknown)
     with pytest.raises(UserError, match=r"expected \[1, 16, h, w\]"):
         decode_latent(np.zeros((1, 4, 8, 8), np.float32), small_vae)
     latent = random_latent(4, 4)

@@ -2,7 +2,8 @@
 cost per step.
 
 Each (decoder, size) runs in its own subprocess, so its peak RSS is its own (weights + activations +
-the interpreter and libraries it imports). Decode seconds exclude loading. The PSNR column compares
+the interpreter and libraries it imports). Decode seconds exclude loading (for the onnx decoder, they
+include building the graph and its onnxruntime session). The PSNR column compares
 each image with the own untiled decoder's (so it shows what tiling and the sd.cpp weight types cost);
 with random weights it says nothing about image quality.
 """
@@ -28,6 +29,8 @@ from anima_ui.runtime.memory import process_memory
 DECODERS = {  # in run order: the own untiled decode first, as the PSNR reference
     "torch-untiled": "own torch, untiled",
     "torch-tiled": "own torch, tiled 32 / 0.5",
+    "onnx-untiled": "own graphs on onnxruntime, untiled",
+    "onnx-tiled": "own graphs on onnxruntime, tiled 32 / 0.5",
     "sdcpp-untiled": "sd.cpp, untiled",
     "sdcpp-tiled": "sd.cpp, tiled 32 / 0.5",
     "diffusers": "diffusers fp32, untiled",
@@ -63,14 +66,14 @@ def _run_decoders(args, tmp: Path) -> None:
         write_random_vae(vae_path, 96, seed=0)
     _print_decode_header(args.threads)
     for size in args.sizes:
-        reference = None  # the own untiled decode of this size, run first
+        reference = None  # the own untiled decode of this size (torch's or onnx's, whichever runs first)
         for decoder in sorted(args.decoders, key=list(DECODERS).index):
             for weight_type in (args.sdcpp_weight_types if decoder.startswith("sdcpp") else [None]):
                 row = _run_worker(decoder, weight_type, size, vae_path, args.threads, tmp)
                 if "error" not in row:
                     image = np.load(row["image"]) / 255.0
-                    if decoder == "torch-untiled":
-                        reference = image
+                    if decoder in ("torch-untiled", "onnx-untiled") and reference is None:
+                        row["reference"], reference = True, image
                     row["psnr"] = None if reference is None else psnr(image, reference)
                 _print_decode_row(row)  # as soon as it is measured: a long run can be stopped
 
@@ -84,11 +87,12 @@ def bench_latent(size: int) -> np.ndarray:
 # Peak RSS (GB) at 512x512 measured on this machine; untiled decoders grow with the pixel count, tiled
 # ones do not. A row whose estimate (+2 GB margin) exceeds the available memory is skipped, not run
 # into the OOM killer on a shared machine.
-PEAK_GB_AT_512 = {"sdcpp-tiled": 0.7, "sdcpp-untiled": 2.1, "torch-tiled": 1.0, "torch-untiled": 1.0, "diffusers": 3.2}
+PEAK_GB_AT_512 = {"sdcpp-tiled": 0.7, "sdcpp-untiled": 2.1, "torch-tiled": 1.0, "torch-untiled": 1.0,
+                  "onnx-tiled": 1.0, "onnx-untiled": 1.5, "diffusers": 3.2}
 
 
 def _estimated_peak_gb(decoder: str, size: int) -> float:
-    growth = 1.0 if decoder in ("sdcpp-tiled", "torch-tiled") else max((size / 512) ** 2, 1.0)
+    growth = 1.0 if decoder.endswith("-tiled") else max((size / 512) ** 2, 1.0)
     return PEAK_GB_AT_512[decoder] * growth
 
 
@@ -115,14 +119,20 @@ def _run_worker(decoder, weight_type, size, vae_path, threads, tmp: Path) -> dic
 def _worker(job: dict) -> None:
     latent = bench_latent(job["size"])
     decoder, threads = job["decoder"], job["threads"]
-    start = time.perf_counter()
+    start = _clock()
     if decoder.startswith("sdcpp"):
         from anima_ui.vae.sdcpp import SdcppDecoder
 
         with SdcppDecoder(job["vae"], threads=threads, weight_type=job["weight_type"]) as vae:
-            loaded = time.perf_counter()
+            loaded = _clock()
             image = vae.decode(latent, tiled=decoder == "sdcpp-tiled")
             weight_type = vae.weight_type
+    elif decoder.startswith("onnx"):
+        from anima_ui.vae.onnx_decoder import OnnxDecoder
+
+        vae, weight_type = OnnxDecoder(job["vae"], threads=threads), "fp32"
+        loaded = _clock()
+        image = vae.decode(latent, tiled=decoder == "onnx-tiled")
     else:
         import torch
 
@@ -134,14 +144,21 @@ def _worker(job: dict) -> None:
 
             vae, weight_type = load_vae_decoder(job["vae"]), "fp32"
             decode = lambda x: vae.decode(x, tiled=decoder == "torch-tiled")
-        loaded = time.perf_counter()
+        loaded = _clock()
         image = decode(latent)
-    decoded = time.perf_counter()
+    decoded = _clock()
     np.save(job["image"], image)
     # VmHWM, not getrusage's ru_maxrss: that survives exec, so every row would report the parent's peak
     peak_gb = process_memory()["peak_rss"] / 2**30
-    print(json.dumps({"load_s": round(loaded - start, 2), "decode_s": round(decoded - loaded, 2),
-                      "peak_rss_gb": round(peak_gb, 2), "weights": weight_type}))
+    print(json.dumps({"load_s": round(loaded[0] - start[0], 2), "decode_s": round(decoded[0] - loaded[0], 2),
+                      "decode_cpu_s": round(decoded[1] - loaded[1], 2), "peak_rss_gb": round(peak_gb, 2),
+                      "weights": weight_type}))
+
+
+def _clock() -> tuple[float, float]:
+    """(wall seconds, CPU seconds of every thread of this process): on a shared machine the wall time grows
+    with the load, the CPU time much less, so the CPU column compares decoders run at different loads."""
+    return time.perf_counter(), time.process_time()
 
 
 def _diffusers_decoder(vae_path):
@@ -167,8 +184,8 @@ def _diffusers_decoder(vae_path):
 # ---------------------------------------------------------------- tables
 
 def _print_decode_header(threads: int) -> None:
-    print(f"VAE decode, full-size random weights (base 96), {threads} threads, one process per row")
-    print(f"{'decoder':<24} {'size':>9} {'weights':>7} {'load s':>7} {'decode s':>9} {'peak RSS GB':>11} "
+    print(f"VAE decode, {threads} threads, one process per row (CPU s: the decode's CPU time over all its threads)")
+    print(f"{'decoder':<24} {'size':>9} {'weights':>7} {'load s':>7} {'decode s':>9} {'CPU s':>7} {'peak RSS GB':>11} "
           f"{'PSNR vs own untiled':>19} {'load avg':>8}", flush=True)
 
 
@@ -177,14 +194,14 @@ def _print_decode_row(r: dict) -> None:
     if "error" in r:
         print(f"{r['label']:<24} {size:>9}  failed: {r['error']}", flush=True)
         return
-    if r["label"] == "torch-untiled":
+    if r.get("reference"):
         quality = "reference"
     elif r["psnr"] is None:
         quality = "-"
     else:
         quality = "identical" if r["psnr"] == float("inf") else f"{r['psnr']:.1f} dB"
     print(f"{r['label']:<24} {size:>9} {r['weights']:>7} {r['load_s']:>7.2f} {r['decode_s']:>9.2f} "
-          f"{r['peak_rss_gb']:>11.2f} {quality:>19} {r['load']:>8.1f}", flush=True)
+          f"{r['decode_cpu_s']:>7.1f} {r['peak_rss_gb']:>11.2f} {quality:>19} {r['load']:>8.1f}", flush=True)
 
 
 def _print_preview_table(sizes, tmp: Path, repeats: int, threads: int) -> None:

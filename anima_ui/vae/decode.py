@@ -1,15 +1,16 @@
-"""The final decode: stable-diffusion.cpp's tiled VAE by default, the own torch decoder when the native
-library is missing or cannot be loaded (with a warning the UI shows)."""
-
-from pathlib import Path
+"""The final decode: stable-diffusion.cpp's tiled VAE by default; the project's decoder graphs on
+onnxruntime (no torch) when the native library is missing, cannot be loaded or cannot run this VAE
+(with a warning the UI shows), or on request. The torch decoder (wan_decoder.py) is the tests' reference,
+not a choice here: the graphs compute the same image faster (anima-ui bench vae)."""
 
 from PIL import Image
 
 from anima_ui.errors import UserError
 from anima_ui.vae.latent import check_latent
+from anima_ui.vae.onnx_decoder import OnnxDecoder
 from anima_ui.vae.sdcpp import NativeDecoderUnavailable, SdcppDecoder
 
-DECODERS = ("sdcpp", "torch")
+DECODERS = ("sdcpp", "onnx")
 
 
 def decode_latent(latent, vae_path, prefer: str = "sdcpp", tiled: bool = True, threads: int | None = None,
@@ -25,20 +26,7 @@ def decode_latent(latent, vae_path, prefer: str = "sdcpp", tiled: bool = True, t
                 pixels = decoder.decode(latent, tiled=tiled, tile=tile, overlap=overlap)
             return Image.fromarray(pixels, "RGB"), "sdcpp", None
         except NativeDecoderUnavailable as exc:
-            warning = f"stable-diffusion.cpp VAE unavailable ({exc}); decoded with the torch decoder"
-    pixels = _torch_decode(latent, Path(vae_path), tiled, threads, tile, overlap)
-    return Image.fromarray(pixels, "RGB"), "torch", warning
+            warning = f"stable-diffusion.cpp VAE unavailable ({exc}); decoded with the onnx decoder"
+    pixels = OnnxDecoder(vae_path, threads=threads).decode(latent, tiled=tiled, tile=tile, overlap=overlap)
+    return Image.fromarray(pixels, "RGB"), "onnx", warning
 
-
-def _torch_decode(latent, vae_path: Path, tiled: bool, threads: int | None, tile: int, overlap: float):
-    import torch
-
-    from anima_ui.vae.wan_decoder import load_vae_decoder
-
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return load_vae_decoder(vae_path).decode(latent, tiled=tiled, tile=tile, overlap=overlap)
-    finally:
-        torch.set_num_threads(previous)

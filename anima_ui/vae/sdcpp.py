@@ -24,7 +24,7 @@ RELEASE_BASE_DIM = 96  # sd.cpp 0.4.7's WanVAE has the release width built in (t
 
 class NativeDecoderUnavailable(Exception):
     """The native library is not built or cannot be loaded on this machine, or the VAE is not the
-    release width sd.cpp has built in (decode.py falls back to the torch decoder)."""
+    release width sd.cpp has built in (decode.py falls back to the onnx decoder)."""
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
