@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from anima_ui.errors import UserError
 from anima_ui.vae.latent import SCALE
 
 
@@ -92,3 +93,70 @@ def decode_tiled(decode, latent: np.ndarray, tile: int = 32, overlap: float = 0.
             out[:, :, oy + sy:oy + th, ox + sx:ox + tw] += pixels[:, :, sy:, sx:] * weight
     return out
 
+
+# ---------------------------------------------------------------- exact tiles: trunk untiled, up path with a halo
+
+# The up path (everything after the mid block) is local: its 3x3 convs reach 6 latent px at the latent
+# resolution, 3 + 0.5 at 2x, 1.5 + 0.25 at 4x and 0.75 + 0.125 + 0.125 at 8x: 12.25 latent px in all.
+# A tile with 13 latent px of real neighbours on each inner side computes its centre exactly as the
+# untiled decode does; only the mid-block attention (in the trunk) needs the whole latent.
+HALO = 13
+
+
+@dataclass(frozen=True)
+class HaloTile:
+    y: int  # window origin, latent px
+    x: int
+    keep: tuple[int, int, int, int]  # (y0, y1, x0, x1): the latent px of the image this tile supplies
+
+
+@dataclass(frozen=True)
+class HaloPlan:
+    height: int  # latent px
+    width: int
+    window: tuple[int, int]  # (height, width) of every tile's window, latent px
+    halo: int
+    tiles: tuple[HaloTile, ...]
+
+
+def _halo_axis(length: int, count: int, halo: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """Window size and (origin, keep start, keep end) per tile along one axis: `count` windows of one
+    size, the first at 0, the last ending at `length`, each keeping what lies >= `halo` from its inner
+    edges."""
+    if count < 1:
+        raise UserError(f"a halo tile grid needs at least one tile per axis, not {count}")
+    size = min(length, -(-(length + 2 * halo * (count - 1)) // count))
+    if count == 1 or size == length:
+        return length, [(0, 0, length)]
+    origins = [round(i * (length - size) / (count - 1)) for i in range(count)]
+    keeps = [0] + [origin + halo for origin in origins[1:]] + [length]
+    axis = [(origins[i], keeps[i], keeps[i + 1]) for i in range(count)]
+    for origin, start, end in axis:  # each kept span lies in its window, `halo` away from inner edges
+        assert (origin == 0 or start >= origin + halo) and \
+               (origin + size == length or end <= origin + size - halo), (length, count, halo, axis)
+    return size, axis
+
+
+def halo_plan(height: int, width: int, grid: tuple[int, int] = (2, 2), halo: int = HALO) -> HaloPlan:
+    """Tiles of one window size over a height x width latent (feature map), `grid` = tiles per axis; a
+    grid the latent is too small for collapses to fewer (down to one untiled window)."""
+    size_y, axis_y = _halo_axis(height, grid[0], halo)
+    size_x, axis_x = _halo_axis(width, grid[1], halo)
+    tiles = tuple(HaloTile(y, x, (y0, y1, x0, x1)) for y, y0, y1 in axis_y for x, x0, x1 in axis_x)
+    return HaloPlan(height, width, (size_y, size_x), halo, tiles)
+
+
+def cut_windows(features: np.ndarray, plan: HaloPlan) -> np.ndarray:
+    """The tiles' windows of a feature map [1,C,h,w], stacked as a batch [tiles,C,wh,ww]."""
+    wh, ww = plan.window
+    return np.concatenate([features[:, :, t.y:t.y + wh, t.x:t.x + ww] for t in plan.tiles], axis=0)
+
+
+def assemble(images: np.ndarray, plan: HaloPlan) -> np.ndarray:
+    """The decoded windows [tiles,3,8wh,8ww] -> the image [1,3,8h,8w], each tile supplying its kept part."""
+    out = np.empty((1, images.shape[1], plan.height * SCALE, plan.width * SCALE), images.dtype)
+    for image, t in zip(images, plan.tiles):
+        y0, y1, x0, x1 = t.keep
+        out[0, :, y0 * SCALE:y1 * SCALE, x0 * SCALE:x1 * SCALE] = \
+            image[:, (y0 - t.y) * SCALE:(y1 - t.y) * SCALE, (x0 - t.x) * SCALE:(x1 - t.x) * SCALE]
+    return out
