@@ -100,6 +100,7 @@ def format_infotext(request, summary: dict) -> str:
         "Spectrum config": spectrum_config_text(spectrum) if spectrum else None,
         "Model evaluations": summary.get("model_evals"),
         "Backend": summary.get("backend"),
+        "VAE decoder": summary.get("decoder"),
         "Denoise time": format_seconds(seconds["denoise"]) if "denoise" in seconds else None,
         "Version": VERSION,
     }

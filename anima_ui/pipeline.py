@@ -89,8 +89,8 @@ class Pipeline:
 
     @classmethod
     def load(cls, models_dir, backend: str = "torch", decoder: str = "sdcpp", **runtime_options) -> "Pipeline":
-        """decoder: "sdcpp" (stable-diffusion.cpp's tiled VAE, falling back to the onnx decoder with a warning) or
-        "onnx" (the decoder graphs on onnxruntime)."""
+        """decoder: "sdcpp" (stable-diffusion.cpp's tiled VAE, falling back to the onnx decoder with a warning),
+        "onnx" (the decoder graphs on onnxruntime) or "npu" (the decoder graphs on the backend's runtime)."""
         if backend not in BACKENDS:
             raise UserError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
         if decoder not in DECODERS:
@@ -136,7 +136,7 @@ class Pipeline:
             _check(cancel)
             yield PhaseEvent("decode")
             t0 = time.perf_counter()
-            image, decoder, warning = decode_latent(latent, self.paths.vae, prefer=self.decoder)
+            image, decoder, warning = self._decode(latent, cancel)
             seconds["decode"] = time.perf_counter() - t0
         seconds["total"] = time.perf_counter() - started
 
@@ -229,6 +229,12 @@ class Pipeline:
         if not np.all(np.isfinite(x)):
             raise UserError("the denoised latent contains NaN or Inf; nothing was saved (try another seed or fewer steps)")
         return x, records
+
+    def _decode(self, latent, cancel):
+        # the NPU decoder runs on the branches' runtime (onnxruntime when the branches run in torch)
+        npu = {"backend": "onnx" if self.backend == "torch" else self.backend,
+               **{k: self.runtime_options[k] for k in ("time_scale", "core_mask") if k in self.runtime_options}}
+        return decode_latent(latent, self.paths.vae, prefer=self.decoder, npu=npu, cancel=cancel)
 
 
 def _check(cancel: threading.Event) -> None:

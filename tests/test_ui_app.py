@@ -56,11 +56,12 @@ def test_generate_streams_previews_then_the_png_with_parameters(client, served):
     statuses = [o[1] for o in outputs]
     # The watcher shows the latest state when it wakes, so fast steps may be merged: some step must show.
     assert any("step" in s and "/4" in s for s in statuses), statuses
-    assert "Done" in final[1] and "seed 4242" in final[1]
+    assert "Done" in final[1] and "seed 4242" in final[1] and "VAE onnx" in final[1]  # the tiny VAE: sd.cpp cannot run it
     previews = {Path(o[0]).name for o in outputs if isinstance(o[0], str) and o[0].endswith(".jpg")}
     assert previews, "no preview was streamed"
     with Image.open(final[0]) as png:  # the client downloads exactly the file the server saved
         assert "Seed: 4242" in png.info["parameters"] and "Spectrum: off" in png.info["parameters"]
+        assert "VAE decoder: onnx" in png.info["parameters"]
     assert any("left" in s for s in statuses if "step" in s), statuses  # an ETA once a step was measured
     assert final[4][0]["caption"].startswith("seed 4242")
     assert session["last_seed"] == 4242

@@ -5,7 +5,8 @@ arguments they become for `Pipeline.load`."""
 def add_pipeline_arguments(parser):
     parser.add_argument("--decoder", default="sdcpp",
                         help="final VAE decode: sdcpp (stable-diffusion.cpp, tiled; the board's choice), onnx (the "
-                             "project's decoder graphs on onnxruntime, tiled like sd.cpp; faster than sdcpp on x86 PCs); "
+                             "project's decoder graphs on onnxruntime, tiled like sd.cpp; faster than sdcpp on x86 PCs) "
+                             "or npu (the decoder graphs on the --backend runtime: the NPU, or the simulated board); "
                              "anima-ui bench vae compares them")
     parser.add_argument("--no-prefetch", action="store_true", help="serial branch lifecycle, as the blog ran it")
     parser.add_argument("--max-contexts", type=int, default=2, help="graph contexts alive at once with prefetch")

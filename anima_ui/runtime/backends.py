@@ -111,7 +111,7 @@ class SimulatedBoard(OnnxBackend):
     def load(self, folder, entry):
         started = time.perf_counter()
         loaded = entry.file if entry.file in self._sessions else super().load(folder, entry)
-        self._pad(started, board_latency.phase_seconds(entry.kind)["load"])
+        self._pad(started, board_latency.graph_phase_seconds(entry)["load"])
         return loaded
 
     def init(self, loaded, entry):
@@ -122,23 +122,19 @@ class SimulatedBoard(OnnxBackend):
             session = self._sessions[entry.file]
         else:
             session = super().init(loaded, entry)
-        self._pad(started, board_latency.phase_seconds(entry.kind)["init"])
+        self._pad(started, board_latency.graph_phase_seconds(entry)["init"])
         return session
 
     def run(self, context, entry, arrays):
         started = time.perf_counter()
         out = super().run(context, entry, arrays)
-        batch = entry.outputs[0].shape[0]
-        seconds = board_latency.phase_seconds(entry.kind)["inference"]
-        if batch > 1:
-            seconds *= batch / board_latency.ASSUMED_BATCH2_SPEEDUP
-        self._pad(started, seconds)
+        self._pad(started, board_latency.graph_phase_seconds(entry)["inference"])
         return out
 
     def release(self, context, entry):
         started = time.perf_counter()
         super().release(context, entry)
-        self._pad(started, board_latency.phase_seconds(entry.kind)["release"])
+        self._pad(started, board_latency.graph_phase_seconds(entry)["release"])
 
 
 RKNN_INSTALL_HINT = (
@@ -198,8 +194,10 @@ class RknnLiteBackend(Backend):
         return loaded
 
     def run(self, context, entry, arrays):
+        # 4-D inputs (the VAE decoder's) are NCHW; RKNNLite takes a 4-D input as NHWC unless told
+        formats = {"data_format": ["nchw"] * len(arrays)} if any(a.ndim == 4 for a in arrays) else {}
         with captured_output() as out:
-            outputs = context.inference(inputs=arrays)
+            outputs = context.inference(inputs=arrays, **formats)
         if outputs is None:
             raise UserError(board.explain_failure("inference", entry.file, out.text, _toolkit(entry), **self._facts))
         return check_outputs(outputs, entry)[0]

@@ -30,6 +30,31 @@ HOST_SECONDS_PER_STEP = 120.40 - 76.21 - sum(LIFECYCLE_PASS_SECONDS.values())
 ASSUMED_BATCH2_SPEEDUP = 1.78
 
 
+# The VAE decoder graphs (--decoder npu): no board has run them, so this is an estimate. Inference = the
+# graph's GFLOP (in its manifest entry) at 0.23 TFLOPS, the middle of the 0.20-0.26 TFLOPS that published
+# SD1.5 VAE decodes reach on one RK3588 NPU core (radxa-docs 256x256 in 3.15 s; happyme531's RK3588 SD
+# models 384x384 in 5.48 s and 512x512 in 11.13 s). A batch-of-tiles graph spreads over the 3 cores at
+# 2.5/3 of a core each (3 concurrent contexts measured 2.5x one on an RK3588, suharvest/rkvoice-stream#5),
+# in rounds of 3 tiles. Load, init and release as a DiT FFN graph's (a .rknn of similar size: 67 MB of FP16
+# weights there, 50-85 MB for the decoder graphs at full width).
+VAE_TFLOPS_PER_CORE = 0.23
+VAE_CORES, VAE_CORES_SPEEDUP = 3, 2.5
+
+
+def graph_phase_seconds(entry) -> dict[str, float]:
+    """Seconds of each phase of one graph (a manifest entry), inference per call with the graph's batch."""
+    batch = entry.outputs[0].shape[0]
+    if entry.kind.startswith("vae_"):
+        per_tile = entry.extra["gflop"] / batch / (VAE_TFLOPS_PER_CORE * 1e3)
+        inference = per_tile if batch == 1 else \
+            -(-batch // VAE_CORES) * per_tile * VAE_CORES / VAE_CORES_SPEEDUP
+        return {**phase_seconds("mlp"), "inference": inference}
+    seconds = phase_seconds(entry.kind)
+    if batch > 1:
+        seconds["inference"] *= batch / ASSUMED_BATCH2_SPEEDUP
+    return seconds
+
+
 def phase_seconds(kind: str) -> dict[str, float]:
     """Seconds of each phase of one model of `kind`: load, init, release, and inference per batch-1 call."""
     lifecycle = LIFECYCLE_SECONDS_PER_MODEL[kind]

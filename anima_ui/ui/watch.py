@@ -38,7 +38,9 @@ def job_status(manager, job, label: str = "") -> str:
     if job.state == "done":
         warning = job.item.summary.get("warning")
         note = f"\n\n⚠️ {warning}" if warning else ""
-        return f"{prefix}✅ **Done** in {format_seconds(job.elapsed)} · seed {job.request.seed} · {job.item.png_path.name}{note}"
+        decoder = job.item.summary.get("decoder")
+        vae = f" · VAE {decoder}" if decoder else ""
+        return f"{prefix}✅ **Done** in {format_seconds(job.elapsed)} · seed {job.request.seed}{vae} · {job.item.png_path.name}{note}"
     if job.state == "cancelled":
         return f"{prefix}⏹️ **Cancelled** at step {job.step}/{job.total} · seed {job.request.seed}"
     return f"{prefix}❌ **Failed:** {job.error}"

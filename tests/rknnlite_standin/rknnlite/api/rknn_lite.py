@@ -5,7 +5,8 @@ NPU_CORE_* constants, method signatures and return conventions (0 / -1, outputs 
 previous runtime first, load_rknn keeping the file in `rknn_data`, get_sdk_version None before an init. Like the
 real one, the runtime's lines come from C (printf through libc, so they sit in the C library's buffer until it is
 flushed) and RKNNLite's own `E ...` lines go straight to the process's stderr descriptor. Two deliberate
-differences: init_runtime runs on any machine (the real one refuses off aarch64), and the "NPU" is onnxruntime.
+differences: init_runtime runs on any machine (the real one refuses off aarch64), and the "NPU" is onnxruntime
+(fed 4-D inputs as NHWC unless `data_format` says "nchw", as the real one takes them).
 
 What a graph file computes: a file holding a small integer n answers inputs[0] + n (tests see which model ran on
 which input); any other file must be an ONNX model, run by onnxruntime with its output rounded through float16.
@@ -127,7 +128,7 @@ class RKNNLite:
             _runtime_line("E", "failed to submit!, op id: 0, op name: MatMul, flags: 0x5, task start: 0, task number: 1")
             _log_error("Catch exception when running RKNN model.")
             return None
-        outputs = self.rknn_runtime.run(inputs)
+        outputs = self.rknn_runtime.run(inputs, data_format)
         if fault == "output-shape":
             outputs = [outputs[0].reshape(-1)[: outputs[0].size // 2]]
         elif fault == "output-flat":  # the same numbers without the unit axes
@@ -161,8 +162,11 @@ class _Runtime:
 
             self.add, self.session = None, onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
 
-    def run(self, inputs):
+    def run(self, inputs, data_format=None):
         if self.session is None:
             return [inputs[0] + self.add]
+        # like the real runtime, a 4-D input is NHWC unless data_format says "nchw"
+        formats = data_format if isinstance(data_format, (list, tuple)) else [data_format] * len(inputs)
+        inputs = [a.transpose(0, 3, 1, 2) if a.ndim == 4 and f != "nchw" else a for a, f in zip(inputs, formats)]
         feeds = {i.name: np.asarray(a, dtype=np.float32) for i, a in zip(self.session.get_inputs(), inputs)}
         return [o.astype(np.float16).astype(np.float32) for o in self.session.run(None, feeds)]

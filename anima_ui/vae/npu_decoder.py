@@ -1,0 +1,148 @@
+"""`--decoder npu`: the decoder graphs of one layout (npu_graphs.py) run through a runtime backend (onnx,
+sim, rknn) with the board's lifecycle per graph: load -> init -> run (once per tile, or once for a batch
+graph) -> release. One context is open at a time; the cancel event is checked before every graph and every
+run, and a context is released whatever happens."""
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from anima_ui.errors import Cancelled, UserError
+from anima_ui.metrics import psnr
+from anima_ui.runtime import board_latency
+from anima_ui.runtime.backends import Backend, make_backend
+from anima_ui.vae.latent import SCALE, check_latent, to_uint8
+from anima_ui.vae.npu_graphs import CHECK_IMAGE, CHECK_LATENT, MANIFEST, VaeGraphs, build_vae_graphs
+from anima_ui.vae.tiling import assemble, cut_windows
+
+DEFAULT_LAYOUT = "untiled"  # the fewest FLOPs (half of the halo layouts'); `tune` may choose another
+MIN_BOARD_PSNR = 50.0  # dB: the board's gate against the fp32 decode of the same layout
+
+def decode_npu(latent, graphs_dir, backend: Backend | str = "onnx", layout: str = DEFAULT_LAYOUT,
+               cancel: threading.Event | None = None, **backend_options) -> tuple[np.ndarray, dict]:
+    """Model-space latent [1,16,h,w] -> (uint8 RGB [8h,8w,3], seconds per phase). `backend_options` go to
+    make_backend when `backend` is a name (time_scale, core_mask, threads)."""
+    graphs = VaeGraphs.read(graphs_dir)
+    if isinstance(backend, str):
+        backend = make_backend(backend, **backend_options)
+    if graphs.format != backend.graph_format:
+        raise UserError(f"{graphs_dir} holds {graphs.format} decoder graphs but the {backend.name} backend runs "
+                        f"{backend.graph_format}; use the decoder's {backend.graph_format} folder")
+    latent = check_latent(latent)
+    if latent.shape[2:] != (graphs.height // SCALE, graphs.width // SCALE):
+        raise UserError(f"the NPU decoder graphs in {graphs_dir} are for {graphs.width}x{graphs.height}, the image is "
+                        f"{latent.shape[3] * SCALE}x{latent.shape[2] * SCALE}; build them for this size")
+    seconds = dict.fromkeys(("load", "init", "inference", "release"), 0.0)
+    image = run_layout(latent, graphs, Path(graphs_dir), backend, layout, cancel, seconds)
+    return to_uint8(image[0].transpose(1, 2, 0)), seconds
+
+def run_layout(latent: np.ndarray, graphs: VaeGraphs, folder: Path, backend: Backend, layout: str,
+               cancel: threading.Event | None, seconds: dict) -> np.ndarray:
+    """The image [1,3,8h,8w] in [0,1] (float32) of one layout's graphs."""
+    if layout not in graphs.layouts:
+        raise UserError(f"no {layout!r} NPU decoder layout in {folder} (it has {', '.join(graphs.layouts)}); "
+                        f"choose one of those")
+    files = graphs.layouts[layout]
+    if layout == "untiled":
+        return _run_graph(backend, folder, graphs.entry(files[0]), [latent], cancel, seconds)[0]
+    trunk, up = (graphs.entry(f) for f in files)
+    features = _run_graph(backend, folder, trunk, [latent], cancel, seconds)[0]
+    plan = graphs.plan()
+    windows = cut_windows(features, plan)
+    calls = [windows] if up.inputs[0].shape[0] > 1 else [window[None] for window in windows]
+    return assemble(np.concatenate(_run_graph(backend, folder, up, calls, cancel, seconds)), plan)
+
+def _run_graph(backend: Backend, folder: Path, entry, calls: list[np.ndarray], cancel, seconds: dict) -> list[np.ndarray]:
+    _check(cancel)
+    started = time.perf_counter()
+    loaded = backend.load(folder, entry)
+    seconds["load"] += time.perf_counter() - started
+    started = time.perf_counter()
+    context = backend.init(loaded, entry)
+    del loaded  # the file's bytes: the context no longer needs them
+    seconds["init"] += time.perf_counter() - started
+    try:
+        outputs = []
+        for x in calls:
+            _check(cancel)
+            started = time.perf_counter()
+            out = np.asarray(backend.run(context, entry, [x.astype(backend.input_dtype(entry, 0))]), np.float32)
+            seconds["inference"] += time.perf_counter() - started
+            expected = entry.outputs[0].shape
+            if out.size != int(np.prod(expected)):
+                raise UserError(f"{entry.file} returned shape {out.shape}, its manifest says {expected}; "
+                                "build and convert the NPU decoder graphs again")
+            outputs.append(out.reshape(expected))
+    finally:
+        started = time.perf_counter()
+        backend.release(context, entry)
+        del context
+        seconds["release"] += time.perf_counter() - started
+    return outputs
+
+def _check(cancel) -> None:
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("cancelled")
+
+def check_npu_decoder(graphs_dir, backend: Backend | str = "rknn", layouts=None, **backend_options) -> dict:
+    """The board's gate: decode the folder's stored check latent with each layout and compare with the fp32
+    onnxruntime image stored next to it at conversion. Returns {layout: {"psnr", "nonfinite", "seconds",
+    "ok"}}; ok means >= MIN_BOARD_PSNR dB with no NaN/Inf."""
+    folder = Path(graphs_dir)
+    graphs = VaeGraphs.read(folder)
+    if not (folder / CHECK_LATENT).is_file() or not (folder / CHECK_IMAGE).is_file():
+        raise UserError(f"{folder} has no stored check latent and image; convert the NPU decoder graphs again")
+    latent, reference = np.load(folder / CHECK_LATENT), np.load(folder / CHECK_IMAGE)
+    if isinstance(backend, str):
+        backend = make_backend(backend, **backend_options)
+    results = {}
+    for layout in layouts or graphs.layouts:
+        seconds = dict.fromkeys(("load", "init", "inference", "release"), 0.0)
+        image = run_layout(latent, graphs, folder, backend, layout, None, seconds)
+        nonfinite = int((~np.isfinite(image)).sum())
+        quality = psnr(np.nan_to_num(image), reference)
+        results[layout] = {"psnr": round(float(quality), 2), "nonfinite": nonfinite,
+                           "seconds": round(sum(seconds.values()), 3),
+                           "ok": nonfinite == 0 and quality >= MIN_BOARD_PSNR}
+    return results
+
+
+
+def estimated_board_seconds(graphs: VaeGraphs, layout: str) -> float:
+    """What the simulated board charges for one decode with `layout`: every graph's load, init and release,
+    and its inference once per call (board_latency's decode model)."""
+    total = 0.0
+    for file in graphs.layouts[layout]:
+        entry = graphs.entry(file)
+        phases = board_latency.graph_phase_seconds(entry)
+        total += phases["load"] + phases["init"] + phases["release"] + runs_per_decode(graphs, file) * phases["inference"]
+    return total
+
+
+def runs_per_decode(graphs: VaeGraphs, file: str) -> int:
+    """How often a decode runs a graph: an up-path tile graph of batch 1 once per tile, the others once."""
+    entry = graphs.entry(file)
+    return len(graphs.plan().tiles) if entry.kind == "vae_up" and entry.inputs[0].shape[0] == 1 else 1
+
+
+def graphs_folder(vae_path, graph_format: str, width: int, height: int) -> Path:
+    """Where a model keeps its NPU decoder graphs: next to the VAE file, vae/npu/<onnx|rknn>/<W>x<H>."""
+    return Path(vae_path).parent / "npu" / graph_format / f"{width}x{height}"
+
+
+def decode_for_model(latent, vae_path, backend: str = "onnx", layout: str = DEFAULT_LAYOUT, cancel=None,
+                     **backend_options) -> np.ndarray:
+    """decode_npu with the model's own graphs folder: the ONNX graphs (onnx, sim) are built on first use,
+    the RKNN ones must have been converted."""
+    _, _, h, w = np.shape(latent)
+    backend = make_backend(backend, **backend_options)
+    folder = graphs_folder(vae_path, backend.graph_format, w * SCALE, h * SCALE)
+    if not (folder / MANIFEST).is_file():
+        if backend.graph_format != "onnx":
+            raise UserError(f"no converted NPU decoder graphs for {w * SCALE}x{h * SCALE} in {folder}; "
+                            "use --decoder sdcpp")
+        build_vae_graphs(vae_path, w * SCALE, h * SCALE, folder)
+    pixels, _ = decode_npu(latent, folder, backend, layout, cancel)
+    return pixels
