@@ -17,9 +17,7 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +29,8 @@ from anima_ui.metrics import psnr
 from anima_ui.runtime.manifest import GraphEntry, TensorSpec, sha256_file
 from anima_ui.vae.graphs import build_decoder_graph, graph_gflop
 from anima_ui.vae.latent import SCALE, Z_DIM
+from anima_ui.vae.onnx_decoder import ort_file_session
+from anima_ui.vae.onnx_nodes import OPSET
 from anima_ui.vae.tiling import HALO, HaloPlan, assemble, cut_windows, halo_plan
 from anima_ui.vae.weights import DIM_MULT, load_decoder_weights
 
@@ -79,19 +79,19 @@ class VaeGraphs:
             specs = lambda items: tuple(TensorSpec(s["name"], tuple(s["shape"]), s["dtype"]) for s in items)
             graphs = [GraphEntry(g["file"], g["block"], g["kind"], specs(g["inputs"]), specs(g["outputs"]), g["sha256"],
                                  g.get("extra", {})) for g in raw.pop("graphs")]
-            graphs_dir = cls(graphs=graphs, **raw)
+            manifest = cls(graphs=graphs, **raw)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path} is damaged ({exc}); build the NPU decoder graphs again") from None
-        for files in graphs_dir.layouts.values():
+        for files in manifest.layouts.values():
             for file in files:
                 if not Path(folder, file).is_file():
                     raise UserError(f"{file} listed in {path} is missing; build the NPU decoder graphs again")
-        return graphs_dir
+        return manifest
 
 
 # ---------------------------------------------------------------- ONNX
 
-def _graph_specs(base_dim: int, layout: str, height: int, width: int, plan: HaloPlan) -> list[tuple[str, int, int, int]]:
+def _graph_specs(layout: str, height: int, width: int, plan: HaloPlan) -> list[tuple[str, int, int, int]]:
     """(part, batch, height, width) of each graph of a layout, in run order (latent px)."""
     if layout == "untiled":
         return [("full", 1, height, width)]
@@ -119,7 +119,7 @@ def build_vae_graphs(vae_path, width: int, height: int, out_dir, layouts=LAYOUTS
         entries, names = {}, {}
         for layout in layouts:
             names[layout] = []
-            for part, batch, gh, gw in _graph_specs(base_dim, layout, h, w, plan):
+            for part, batch, gh, gw in _graph_specs(layout, h, w, plan):
                 file = _file_name(part, batch, gh, gw) + ".onnx"
                 names[layout].append(file)
                 if file in entries:
@@ -136,7 +136,7 @@ def build_vae_graphs(vae_path, width: int, height: int, out_dir, layouts=LAYOUTS
                     progress(f"built {file}")
         manifest = VaeGraphs("onnx", width, height, tuple(plan_grid(plan)), HALO, names, list(entries.values()),
                              {"file": Path(vae_path).name, "sha256": sha256_file(vae_path), "base_dim": base_dim},
-                             {"opset": 19, "onnx": onnx.__version__}, {})
+                             {"opset": OPSET, "onnx": onnx.__version__}, {})
         manifest.write(temp)
     return manifest
 
@@ -179,8 +179,6 @@ def convert_vae_graphs(onnx_dir, out_dir, target: str = "rk3588", python=VENV_PY
     layout's chain (the up path gets the simulated trunk's features). Every graph must reach MIN_SIM_PSNR
     against onnxruntime fp32 on the same inputs, in [0,1] pixels (the trunk's features through the fp32 up
     path), with no NaN/Inf; the folder is written only then."""
-    from anima_ui.vae.onnx_decoder import ort_file_session  # onnxruntime: only the conversion checks need it here
-
     if target != "rk3588":
         raise UserError(f"--target {target!r}: only rk3588 is supported")
     python = Path(python)
