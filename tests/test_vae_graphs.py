@@ -123,3 +123,13 @@ def test_the_fallback_decodes_where_torch_cannot_be_imported(small_vae, tmp_path
     assert name == "onnx" and "VAE width 16" in warning
     expected = OnnxDecoder(path, threads=1).decode(latent, tiled=True)
     np.testing.assert_array_equal(np.load(tmp_path / "image.npy"), expected)
+
+
+@pytest.mark.slow
+def test_full_width_graphs_match_the_torch_decoder_and_diffusers(tmp_path):
+    path = tmp_path / "qwen_image_vae.safetensors"
+    state = write_vae_file(path, 96)
+    latent = random_latent(16, 16)
+    ours = OnnxDecoder(path).decode_float(latent)
+    assert psnr(ours, load_vae_decoder(path).decode_float(latent)) >= 100.0
+    assert psnr(ours, diffusers_decode(state, 96, latent)) >= 45.0
