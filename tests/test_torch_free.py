@@ -13,7 +13,6 @@ from PIL import Image
 
 from anima_ui.cli import main
 from anima_ui.fixtures.model import write_random_model
-from anima_ui.vae.decode import DECODERS
 
 # Runs `anima-ui ARGS...` as if torch were not installed: `import torch` (and any torch.*) raises
 # ModuleNotFoundError, and importlib.util.find_spec("torch") answers None, which is how transformers
@@ -35,7 +34,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 PROMPT = ["--prompt", "a lighthouse at dusk", "--negative", "blurry", "--seed", "7", "--steps", "3", "--width", "64", "--height", "64"]
-TORCH_FREE_DECODERS = [name for name in DECODERS if name not in ("torch", "sdcpp")]
 
 
 def anima_ui_without_torch(*argv) -> subprocess.CompletedProcess:
@@ -63,16 +61,14 @@ def test_the_blocker_blocks_torch():
     assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr
 
 
-# sd.cpp supports only the release VAE width (not the tiny model's), and until a torch-free fallback decoder
-# exists its fallback is the torch decoder: then a tiny-model generation cannot finish without torch.
-@pytest.mark.skipif(not TORCH_FREE_DECODERS, reason="no torch-free fallback VAE decoder yet (vae/decode.py has only sdcpp and torch)")
 @pytest.mark.parametrize("backend", ["onnx", "sim"])
 def test_generate_imports_no_torch_and_matches_the_torch_backend(tiny, torch_latent, backend, tmp_path):
     done = anima_ui_without_torch("generate", "--models", str(tiny), *PROMPT, "--backend", backend, "--time-scale", "0.001",
                                   "--out", str(tmp_path / "out.png"), "--save-latent", str(tmp_path / "z.npy"))
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["backend"] == backend and summary["decoder"] != "torch"
+    # sd.cpp supports only the release VAE width, not the tiny model's: its torch-free fallback decodes
+    assert summary["backend"] == backend and summary["decoder"] == "onnx"
     latent = np.load(tmp_path / "z.npy")
     error = np.linalg.norm(latent - torch_latent) / np.linalg.norm(torch_latent)
     print(f"\n{backend} without torch vs the torch backend: relative L2 {error:.1e}")
