@@ -310,9 +310,9 @@ def _npu_run(models: Path, graphs: list[Path], width, height, core_mask: str, li
     manifest = Manifest.read(folder)
     entry = min(manifest.graphs, key=lambda g: (folder / g.file).stat().st_size)  # the quickest to load
     inputs = check_inputs(entry)
-    backend = RknnLiteBackend(core_mask, npu, library)
+    backend = RknnLiteBackend(npu, library)
     try:
-        context = backend.init(backend.load(folder, entry), entry)
+        context = backend.init(backend.load(folder / entry.file, entry), entry, core_mask)
         try:
             out = backend.run(context, entry, inputs)
         finally:

@@ -51,11 +51,16 @@ class ModelPaths:
                 check_safetensors(path)
         return paths
 
-    def exported_dir(self, width: int, height: int) -> Path:
-        return self.root / "exported" / f"{width}x{height}"
+    def exported_dir(self, width: int, height: int, batch: int = 1) -> Path:
+        return self.root / "exported" / _size_folder(width, height, batch)
 
-    def rknn_dir(self, width: int, height: int) -> Path:
-        return self.root / "rknn" / f"{width}x{height}"
+    def rknn_dir(self, width: int, height: int, batch: int = 1) -> Path:
+        return self.root / "rknn" / _size_folder(width, height, batch)
+
+
+def _size_folder(width: int, height: int, batch: int) -> str:
+    """WxH for the batch-1 graphs; WxH-b2 for batch-2 graphs (cond and uncond in one call)."""
+    return f"{width}x{height}" + ("" if batch == 1 else f"-b{batch}")
 
 
 def _find_dit(root: Path) -> Path:

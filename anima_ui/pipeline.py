@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -20,13 +21,14 @@ import numpy as np
 from anima_ui.convert.model_graphs import export_model_graphs
 from anima_ui.errors import Cancelled, UserError
 from anima_ui.model.checkpoint import ADAPTER_PREFIX, load_dit
-from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
+from anima_ui.model.forward import prepare_kv, prepare_rope
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.request import GenerationRequest
-from anima_ui.runtime import BACKENDS, open_runtime
+from anima_ui.runtime import BACKENDS, Plan, open_runtime
 from anima_ui.runtime.graphs import graphs_dir, graphs_ready
 from anima_ui.runtime.host_weights import load_host_weights
-from anima_ui.sampling.cfg import cfg_combine
+from anima_ui.runtime.profile import read_profile
+from anima_ui.sampling.cfg import cfg_x0_predictor
 from anima_ui.sampling.euler import StepInfo, euler_steps
 from anima_ui.sampling.noise import initial_noise
 from anima_ui.sampling.schedule import simple_sigmas
@@ -35,6 +37,15 @@ from anima_ui.text.encoder import TextEncoder, open_networks
 from anima_ui.vae.decode import DECODERS, decode_latent
 
 CACHED_CONTEXTS = 4  # positive + negative of the current job and of the previous one
+
+# Pipeline.load's runtime keyword arguments (commands/pipeline_flags.py makes them from the flags):
+#   variants: {kind: variant} chosen by flags, or None (the tune profile's, else prefetch everywhere)
+#   contexts (K, None: the profile's or 2), core_mask, wait_for_inference, use_profile: the plan
+#   time_scale, contention, resident, threads: the simulated board's and onnxruntime's;
+#   mem_floor_gib, swap_policy, gate_wait_seconds: the memory gate
+RUNTIME_OPTIONS = ("variants", "contexts", "core_mask", "wait_for_inference", "use_profile", "time_scale", "contention",
+                   "resident", "threads", "mem_floor_gib", "swap_policy", "gate_wait_seconds")
+OPEN_OPTIONS = ("time_scale", "contention", "resident", "threads", "mem_floor_gib", "swap_policy", "gate_wait_seconds")
 
 # torch is optional (requirements-dev.txt; the board installs none): only the torch backend imports it, and it is
 # imported where it is used, so the app starts and reports a missing torch as a failed job instead of not starting.
@@ -73,11 +84,27 @@ class ResultEvent:
 Event = PhaseEvent | StepEvent | ResultEvent
 
 
+@dataclass
+class RuntimeChoice:
+    """How the branch graphs will run for one size, and why: flags, the tune profile, or the default."""
+
+    plan: object  # anima_ui.runtime.Plan
+    source: str
+    notes: list = field(default_factory=list)
+    decoder: str | None = None  # the profile's faster correct final decoder at this size
+
+    def describe(self) -> str:
+        return "runtime: " + self.summary()
+
+    def summary(self) -> str:
+        return f"{self.plan.describe()} ({self.source})" + "".join(f"; {note}" for note in self.notes)
+
+
 class Pipeline:
     """The loaded model: DiT host weights, the branch runtime choice, the VAE path, and the contexts of the
     last few prompts. The text encoder is opened only to encode a prompt that is not among them."""
 
-    def __init__(self, paths, config, weights, backend: str, runtime_options: dict, decoder: str = "sdcpp"):
+    def __init__(self, paths, config, weights, backend: str, runtime_options: dict, decoder: str | None = None):
         self.paths = paths
         self.config = config
         self.weights = weights
@@ -86,14 +113,19 @@ class Pipeline:
         self.runtime_options = runtime_options
         self.decoder = decoder
         self.runtime = None  # the branch runtime of the running generation (the UI's status panel reads it)
+        self.choice = None  # how its graphs run and why (RuntimeChoice; the status panel shows it)
 
     @classmethod
-    def load(cls, models_dir, backend: str = "torch", decoder: str = "sdcpp", **runtime_options) -> "Pipeline":
+    def load(cls, models_dir, backend: str = "torch", decoder: str | None = None, **runtime_options) -> "Pipeline":
         """decoder: "sdcpp" (stable-diffusion.cpp's tiled VAE, falling back to the onnx decoder with a warning),
-        "onnx" (the decoder graphs on onnxruntime) or "npu" (the decoder graphs on the backend's runtime)."""
+        "onnx" (the decoder graphs on onnxruntime) or "npu" (the decoder graphs on the backend's runtime); None:
+        the tune profile's choice at the generation's size, else sdcpp. runtime_options: see RUNTIME_OPTIONS."""
         if backend not in BACKENDS:
             raise UserError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-        if decoder not in DECODERS:
+        unknown = set(runtime_options) - set(RUNTIME_OPTIONS)
+        if unknown:
+            raise TypeError(f"unknown runtime options {sorted(unknown)}")
+        if decoder is not None and decoder not in DECODERS:
             raise UserError(f"unknown VAE decoder {decoder!r}: choose one of {', '.join(DECODERS)}")
         paths = ModelPaths.find(models_dir)
         # Graph backends hold the branch weights in their graphs: the host keeps only its own tensors (0.4 GB of
@@ -112,11 +144,15 @@ class Pipeline:
         started = time.perf_counter()
         seconds = {}
 
-        graphs = graphs_dir(self.paths, self.backend, request.width, request.height)
-        if graphs is not None and not graphs_ready(graphs):
+        choice = self.choice = self.runtime_choice(request.width, request.height)
+        graphs = {} if choice is None else {batch: graphs_dir(self.paths, self.backend, request.width, request.height, batch)
+                                            for batch in sorted(choice.plan.graph_batches())}
+        missing = {batch: folder for batch, folder in graphs.items() if not graphs_ready(folder)}
+        if missing:
             yield PhaseEvent("export")
             t0 = time.perf_counter()
-            export_model_graphs(self.paths, request.width, request.height, graphs)
+            for batch, folder in missing.items():
+                export_model_graphs(self.paths, request.width, request.height, folder, batch=batch)
             seconds["export"] = time.perf_counter() - t0
             _check(cancel)
 
@@ -128,7 +164,7 @@ class Pipeline:
 
         yield PhaseEvent("denoise")
         t0 = time.perf_counter()
-        latent, steps = yield from self._denoise(request, kv, rope, graphs, cancel)
+        latent, steps = yield from self._denoise(request, kv, rope, graphs, choice, cancel)
         seconds["denoise"] = time.perf_counter() - t0
 
         image, decoder, warning = None, None, None
@@ -136,7 +172,7 @@ class Pipeline:
             _check(cancel)
             yield PhaseEvent("decode")
             t0 = time.perf_counter()
-            image, decoder, warning = self._decode(latent, cancel)
+            image, decoder, warning = self._decode(latent, choice, cancel)
             seconds["decode"] = time.perf_counter() - t0
         seconds["total"] = time.perf_counter() - started
 
@@ -149,6 +185,7 @@ class Pipeline:
             "seed": request.seed,
             "spectrum": request.spectrum,
             "backend": self.backend,
+            "runtime": choice.describe() if choice else None,
             "model_evals": model_evals,
             "transformer_passes": (2 if request.uses_uncond else 1) * model_evals,
             "decoder": decoder,
@@ -164,7 +201,7 @@ class Pipeline:
         if self.backend != "torch":
             raise UserError(f"x0_predictor runs the torch backend only, this pipeline is {self.backend}")
         kv, rope = self._conditioning(request)
-        return self._x0_predictor(request, kv, rope, self.open_runtime(None, threading.Event()))
+        return self._x0_predictor(request, kv, rope, self.open_runtime({}, None, threading.Event()))
 
     def contexts(self, prompts: list[str]) -> list[np.ndarray]:
         """Read-only contexts [1, 512, C], from the cache when the prompt was encoded recently; a text encoder
@@ -180,6 +217,7 @@ class Pipeline:
         while len(self._contexts) > CACHED_CONTEXTS:
             self._contexts.popitem(last=False)
         return contexts
+
     def _conditioning(self, request):
         contexts = self.contexts([request.prompt, request.negative] if request.uses_uncond else [request.prompt])
         kv = prepare_kv(self.weights, np.concatenate(contexts, axis=0))
@@ -187,30 +225,51 @@ class Pipeline:
         return kv, rope
 
     def _x0_predictor(self, request, kv, rope, runtime):
-        batch = 2 if request.uses_uncond else 1
+        """The sampler's CFG over the runtime's forward (cond and uncond in one batch of 2 unless CFG is 1)."""
+        return cfg_x0_predictor(lambda xs, sigmas: runtime.forward(self.weights, xs, sigmas, kv, rope), request.cfg)
 
-        def predict_x0(x_t, sigma):
-            xs = np.repeat(x_t, batch, axis=0)
-            velocity = dit_forward(self.weights, runtime, xs, np.full(batch, sigma, np.float32), kv, rope)
-            x0 = xs - sigma * velocity
-            return cfg_combine(x0[:1], x0[1:], request.cfg) if batch == 2 else x0
-
-        return predict_x0
-
-    def open_runtime(self, graphs, cancel: threading.Event):
-        """The branch runtime of one generation: run_branch for dit_forward, closed when the generation ends."""
+    def open_runtime(self, graphs: dict[int, Path], choice: RuntimeChoice | None, cancel: threading.Event):
+        """The branch runtime of one generation (its forward runs the DiT), closed when the generation ends."""
         if self.backend == "torch":
             from anima_ui.runtime.torch_runtime import TorchRuntime  # torch: see the note at the top
 
             return TorchRuntime(self.weights, self.config, cancel)
-        return open_runtime(self.backend, graphs, cancel=cancel, **self.runtime_options)
+        options = {k: v for k, v in self.runtime_options.items() if k in OPEN_OPTIONS}
+        return open_runtime(self.backend, graphs, choice.plan, cancel=cancel, **options)
 
-    def _denoise(self, request, kv, rope, graphs, cancel):
+    def runtime_choice(self, width: int, height: int) -> RuntimeChoice | None:
+        """The plan the branch graphs run with at width x height (None for the torch backend): the variants the
+        flags chose, else the tune profile's (`anima-ui tune` writes it into the graphs folder), else prefetch."""
+        if self.backend == "torch":
+            return None
+        options = self.runtime_options
+        plan_options = {"core_mask": options.get("core_mask", "auto"), "wait_for_inference": options.get("wait_for_inference", False)}
+        if options.get("contexts") is not None:
+            plan_options["contexts"] = options["contexts"]
+        folder = self.paths.rknn_dir if self.backend == "rknn" else self.paths.exported_dir
+        profile, notes = None, []
+        if options.get("use_profile", True):
+            profile = read_profile(folder(width, height))
+            if profile is not None and profile.backend != self.backend:
+                notes.append(f"the tune profile {profile.path} was measured on the {profile.backend} backend, not used")
+                profile = None
+        if options.get("variants"):
+            if profile is not None:
+                notes.append(f"the tune profile {profile.path} is not used: the flags chose the variants")
+            return RuntimeChoice(Plan(dict(options["variants"]), **plan_options), "chosen by flags", notes)
+        if profile is not None:
+            # onnx and sim export a missing graph set in the export phase; the board needs it converted beforehand
+            present = {1, 2} if self.backend != "rknn" else {b for b in (1, 2) if graphs_ready(folder(width, height, b))}
+            plan, missing = profile.plan(present, **plan_options)
+            return RuntimeChoice(plan, f"from the tune profile {profile.path}, {profile.created}", notes + missing, profile.decoder)
+        return RuntimeChoice(Plan.uniform("prefetch", **plan_options), "the default; `anima-ui tune` measures the fastest", notes)
+
+    def _denoise(self, request, kv, rope, graphs, choice, cancel):
         """Generator: yields StepEvents, returns (final latent, the steps' records)."""
         sigmas = simple_sigmas(request.steps)
         x = initial_noise(request.seed, request.height, request.width)
         spectrum = Spectrum.from_config(request.steps, request.spectrum_params) if request.spectrum else None
-        runtime = self.runtime = self.open_runtime(graphs, cancel)
+        runtime = self.runtime = self.open_runtime(graphs, choice, cancel)
         predict_x0 = self._x0_predictor(request, kv, rope, runtime)
 
         records = []
@@ -230,11 +289,13 @@ class Pipeline:
             raise UserError("the denoised latent contains NaN or Inf; nothing was saved (try another seed or fewer steps)")
         return x, records
 
-    def _decode(self, latent, cancel):
+    def _decode(self, latent, choice: RuntimeChoice | None, cancel):
+        """The flag's decoder, else the tune profile's faster correct one at this size, else sd.cpp."""
+        prefer = self.decoder or (choice and choice.decoder) or "sdcpp"
         # the NPU decoder runs on the branches' runtime (onnxruntime when the branches run in torch)
         npu = {"backend": "onnx" if self.backend == "torch" else self.backend,
                **{k: self.runtime_options[k] for k in ("time_scale", "core_mask") if k in self.runtime_options}}
-        return decode_latent(latent, self.paths.vae, prefer=self.decoder, npu=npu, cancel=cancel)
+        return decode_latent(latent, self.paths.vae, prefer=prefer, npu=npu, cancel=cancel)
 
 
 def _check(cancel: threading.Event) -> None:

@@ -29,7 +29,8 @@ def test_export_command_writes_graphs_and_manifest_without_torch(tiny_models, an
     assert result.returncode == 0, result.stderr
     assert "[6/6] block01_mlp.onnx: built in" in result.stderr
     paths = ModelPaths.find(tiny_models)
-    folder = paths.exported_dir(96, 64)
+    folder = paths.exported_dir(96, 64, batch=2)  # batch-2 graphs go to exported/WxH-b2, beside the batch-1 set
+    assert folder.name == "96x64-b2"
     manifest = Manifest.read(folder)
     cfg, _ = load_dit(paths.dit)
     assert (manifest.format, manifest.width, manifest.height, manifest.batch, manifest.dtype) == ("onnx", 96, 64, 2, "fp32")

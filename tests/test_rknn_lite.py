@@ -221,3 +221,17 @@ def test_suggested_flags_exist():
     assert flags == {"--no-prefetch"}
     for flag in flags:
         assert parser.parse_args([flag])
+
+
+def test_two_chains_init_their_contexts_on_cores_0_and_1(rknnlite_standin, rknn_folder):
+    """cond on NPU_CORE_0 (mask 1), uncond on NPU_CORE_1 (mask 2), each chain its own contexts; nothing stays open."""
+    from anima_ui.runtime import Plan
+
+    with open_runtime("rknn", rknn_folder, Plan.uniform("two-chains")) as runtime:
+        for block in range(2):
+            for kind in ("self_attn", "cross_attn", "mlp"):
+                inputs = branch_inputs(kind)
+                np.testing.assert_allclose(runtime(block, kind, inputs), inputs["h"] + block + 1, atol=1e-5)
+    masks = [call[2] for call in rknnlite_standin.CALLS if call[0] == "init_runtime"]
+    assert set(masks) == {1, 2} and masks.count(1) >= 6 and masks.count(2) >= 6  # every graph opened on both chains
+    assert runtime.open_contexts == 0 and not rknnlite_standin.OPEN

@@ -16,7 +16,8 @@ from anima_ui.cli import main
 from anima_ui.errors import Cancelled, UserError
 from anima_ui.metrics import psnr
 from anima_ui.runtime import board_latency
-from anima_ui.runtime.backends import OnnxBackend, SimulatedBoard
+from anima_ui.runtime.backends import OnnxBackend
+from anima_ui.runtime.sim import SimulatedBoard
 from anima_ui.runtime.manifest import GraphEntry, TensorSpec
 from anima_ui.vae.graphs import build_decoder_graph
 from anima_ui.vae.npu_decoder import check_npu_decoder, decode_npu, graphs_folder
@@ -151,14 +152,14 @@ class RecordingBackend(OnnxBackend):
         self.calls, self.runs, self.open_count = [], 0, 0
         self.cancel_after_runs, self.cancel, self.fail_on = cancel_after_runs, cancel, fail_on
 
-    def load(self, folder, entry):
+    def load(self, path, entry):
         self.calls.append(("load", entry.file))
-        return super().load(folder, entry)
+        return super().load(path, entry)
 
-    def init(self, loaded, entry):
+    def init(self, loaded, entry, core_mask):
         self.calls.append(("init", entry.file))
         self.open_count += 1
-        return super().init(loaded, entry)
+        return super().init(loaded, entry, core_mask)
 
     def run(self, context, entry, arrays):
         self.calls.append(("run", entry.file, arrays[0].shape))
@@ -234,7 +235,7 @@ def test_decode_latency_model():
     assert board_latency.graph_phase_seconds(entry(2000.0, 4))["inference"] == pytest.approx(2 * one_tile * 3 / 2.5)
     dit_ffn = GraphEntry("f.rknn", 0, "mlp", (), (TensorSpec("out", (2, 4, 8), "float32"),), "")
     assert board_latency.graph_phase_seconds(dit_ffn)["inference"] == pytest.approx(
-        2 * board_latency.phase_seconds("mlp")["inference"] / board_latency.ASSUMED_BATCH2_SPEEDUP)
+        board_latency.BATCH2_WORK * board_latency.phase_seconds("mlp")["inference"])
 
 
 # ---------------------------------------------------------------- RKNN-Lite's call contract

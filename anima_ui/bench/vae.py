@@ -306,18 +306,18 @@ def _print_simulator_table(npu: dict, tmp: Path) -> None:
 
 
 def _print_board_table(folder: Path, core_mask: str, repeats: int) -> None:
-    from anima_ui.runtime.backends import make_backend
+    from anima_ui.runtime.executor import make_backend
     from anima_ui.vae.npu_decoder import check_npu_decoder, decode_npu
     from anima_ui.vae.npu_graphs import CHECK_LATENT, VaeGraphs
 
     graphs = VaeGraphs.read(folder)
-    backend = make_backend("rknn", core_mask=core_mask)
+    backend = make_backend("rknn")
     latent = np.load(folder / CHECK_LATENT)
-    checks = check_npu_decoder(folder, backend)  # also the warm-up of every layout
+    checks = check_npu_decoder(folder, backend, core_mask=core_mask)  # also the warm-up of every layout
     print(f"\nNPU decoder on this board's NPU ({graphs.width}x{graphs.height}, core mask {core_mask}, median of {repeats})")
     print(f"{'layout':<16} {'total s':>8} {'load':>6} {'init':>6} {'NPU':>6} {'release':>7} {'PSNR dB':>8} {'gate':>5}")
     for layout in graphs.layouts:
-        runs = [decode_npu(latent, folder, backend, layout)[1] for _ in range(repeats)]
+        runs = [decode_npu(latent, folder, backend, layout, core_mask=core_mask)[1] for _ in range(repeats)]
         med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
         total = float(np.median([sum(r.values()) for r in runs]))
         print(f"{layout:<16} {total:>8.2f} {med['load']:>6.2f} {med['init']:>6.2f} {med['inference']:>6.2f} "

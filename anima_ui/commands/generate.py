@@ -71,6 +71,8 @@ def run(args) -> int:
     for event in pipeline.generate(request):
         if isinstance(event, PhaseEvent):
             print(f"[{event.phase}]", file=sys.stderr, flush=True)
+            if event.phase == "denoise" and pipeline.choice is not None:
+                print(pipeline.choice.describe(), file=sys.stderr, flush=True)  # how the graphs run, and why
         elif isinstance(event, StepEvent):
             kind = "computed" if event.info.computed else "forecast"
             print(f"step {event.step}/{event.info.total} {kind} {event.seconds:.2f}s", file=sys.stderr, flush=True)

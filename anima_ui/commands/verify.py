@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anima_ui.commands.pipeline_flags import add_runtime_arguments, open_options, runtime_plan
 from anima_ui.convert.model_graphs import export_model_graphs
 from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
@@ -35,8 +36,9 @@ def add_arguments(parser):
     parser.add_argument("--reference", choices=("torch", "onnx"), default="torch",
                         help="torch: the float32 torch forward; onnx: the exported fp32 graphs (for a board)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-scale", type=float, default=0.001, help="sim only: fraction of the board's latencies")
-    parser.add_argument("--no-prefetch", action="store_true")
+    add_runtime_arguments(parser, profile=False)
+    # one forward: a resident onnxruntime session would never be reused, only held (the board's fp32 reference must stay small)
+    parser.set_defaults(time_scale=0.001, resident_sessions="none")
 
 
 def compare(split: np.ndarray, reference: np.ndarray) -> dict:
@@ -51,20 +53,20 @@ def compare(split: np.ndarray, reference: np.ndarray) -> dict:
     }
 
 
-def graphs_for(paths, backend: str, width: int, height: int):
+def graphs_for(paths, backend: str, width: int, height: int, batch: int = 1):
     """The graphs folder the backend runs; missing ONNX graphs are exported first (before the reference weights
     load, so the two never share the memory), missing RKNN ones are an error naming the commands."""
-
-    folder = graphs_dir(paths, backend, width, height)
+    folder = graphs_dir(paths, backend, width, height, batch)
     if not graphs_ready(folder):
-        print(f"exporting the ONNX graphs for {width}x{height} into {folder} ...", file=sys.stderr, flush=True)
-        export_model_graphs(paths, width, height, folder)
+        print(f"exporting the ONNX graphs for {width}x{height} (batch {batch}) into {folder} ...", file=sys.stderr, flush=True)
+        export_model_graphs(paths, width, height, folder, batch=batch)
     return folder
 
 
 def run(args) -> int:
+    plan = runtime_plan(args)
     paths = ModelPaths.find(args.models)
-    graphs = graphs_for(paths, args.backend, args.width, args.height)
+    graphs = [graphs_for(paths, args.backend, args.width, args.height, batch) for batch in sorted(plan.graph_batches())]
     reference_graphs = graphs_for(paths, "onnx", args.width, args.height) if args.reference == "onnx" else None
     # the split runs need only the host's tensors (a board cannot hold the 8.4 GB float32 DiT)
     config, weights = load_host_weights(paths.dit)
@@ -84,21 +86,21 @@ def run(args) -> int:
         def compare_with_split(i, residual):
             rows.append((f"block {i}", compare(np.load(stash / f"block{i}.npy"), residual)))
 
-        options = {"prefetch": not args.no_prefetch, "time_scale": args.time_scale}
-        with open_runtime(args.backend, graphs, **options) as runtime:
-            split = dit_forward(weights, runtime, x, sigma, kv, rope, on_block=lambda i, residual: np.save(stash / f"block{i}.npy", residual))
+        with open_runtime(args.backend, graphs, plan, **open_options(args)) as runtime:
+            split = runtime.forward(weights, x, sigma, kv, rope, on_block=lambda i, residual: np.save(stash / f"block{i}.npy", residual))
             manifest = runtime.manifest
         if args.reference == "torch":
             from anima_ui.model.reference import reference_forward  # torch (optional): the board has none
 
             reference = reference_forward(load_dit(paths.dit)[1], x, sigma, context, on_block=compare_with_split)
         else:
-            with open_runtime("onnx", reference_graphs) as onnx_runtime:
+            gate_options = {k: v for k, v in open_options(args).items() if k in ("mem_floor_gib", "swap_policy", "gate_wait_seconds")}
+            with open_runtime("onnx", reference_graphs, resident="none", **gate_options) as onnx_runtime:
                 reference = dit_forward(weights, onnx_runtime, x, sigma, kv, rope, on_block=compare_with_split)
 
     rows.append(("final prediction", compare(split, reference)))
     threshold = FP32_MIN_COSINE if manifest.format == "onnx" and manifest.dtype == "fp32" else FP16_MIN_COSINE
-    print(f"split {args.backend} ({manifest.format} {manifest.dtype}, batch-{manifest.batch} graphs) vs {args.reference} reference, "
+    print(f"split {args.backend} ({manifest.format} {manifest.dtype}, {plan.describe()}) vs {args.reference} reference, "
           f"{args.width}x{args.height}, CFG batch 2")
     print(f"{'':>17} {'cosine':>12} {'MAE':>11} {'max abs err':>12} {'NaN/Inf':>8}")
     for name, m in rows:

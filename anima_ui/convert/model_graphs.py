@@ -9,5 +9,5 @@ def export_model_graphs(paths, width: int, height: int, out=None, dtype: str = "
                         progress=None) -> Manifest:
     """The 84 graphs of the model in `paths` (a ModelPaths) for width x height, written into `out` (default: the
     folder the onnx and sim backends read). Streamed: one graph's weights at a time, no torch."""
-    out = out if out is not None else paths.exported_dir(width, height)
+    out = out if out is not None else paths.exported_dir(width, height, batch)
     return export_graphs(paths, width, height, out, dtype, batch, progress)

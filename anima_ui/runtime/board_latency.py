@@ -1,5 +1,6 @@
 """The simulated board's latency table: what each phase of one branch model takes on a Radxa ROCK 5C 8 GB
-(RK3588S2, RKNN runtime 2.3.0, FP16, 512x512 = 1024 image tokens, 512 text tokens).
+(RK3588S2, RKNN runtime 2.3.0, FP16, 512x512 = 1024 image tokens, 512 text tokens), and the assumptions the
+simulator adds for what nobody has measured on a board (several NPU cores, host cores, storage; docs/runtime.md).
 
 Every figure is the source blog's (docs/board_facts.md lists them); the per-model numbers are derived from them
 below, nothing is tuned."""
@@ -24,10 +25,37 @@ LIFECYCLE_PASS_SECONDS = {"load": 13.96, "init": 12.90, "release": 4.84}
 # 31.71 s the lifecycle pass, leaving 12.48 s on the CPU (AdaLN, gates, residual, fp32<->fp16 conversion, Python).
 HOST_SECONDS_PER_STEP = 120.40 - 76.21 - sum(LIFECYCLE_PASS_SECONDS.values())
 
-# Not a blog figure: no board has run a batch-2 graph. Two concurrent LCM-UNet sessions on two RK3588
-# cores gave 1.78x throughput (GitHub jaylfc/taOS#59); the simulator uses it for --batch 2 graphs
-# and every table that shows it says it is an assumption.
-ASSUMED_BATCH2_SPEEDUP = 1.78
+# -- assumptions beyond the blog (no board has measured these; every table that uses them says so) ------------------
+
+# Two NPU cores working at once, each on its own context: how much longer each call takes than alone.
+# "none": the cores do not slow each other (2x throughput). "1.78x": two LCM-UNet sessions on cores 0 and 1 gave
+# 1.78x the throughput of one (jaylfc/taOS#59), i.e. each call takes 2 / 1.78 = 1.124x as long (shared DDR).
+CONTENTION = {"none": 1.0, "1.78x": 2 / 1.78}
+
+# One context on several cores (core_mask 0_1, 0_1_2) splits only Conv/Add/Mul across them; exSDPAttention,
+# exGelu, exNorm and Transpose stay on one core (RKNN compiler op list v2.3.0, RK3588 multi-core support). The only
+# figure: a whole UNet on 3 cores ran 1.26x faster (taOS#59, tp_mode='all'). For 2 cores there is none; half that
+# gain is assumed. The gain applies to the branch's conv share, from its FLOPs at 512x512 (docs/runtime.md):
+# self-attention QKV + out 34.4 of 42.9 GFLOP, cross-attention (host K/V) Q + out 17.2 of 21.5, FFN all.
+TENSOR_PARALLEL_SPEEDUP = {2: 1.13, 3: 1.26}  # by number of cores
+CONV_SHARE = {"self_attn": 34.4 / 42.9, "cross_attn": 17.2 / 21.5, "mlp": 1.0}
+
+# A batch-2 graph on one core does twice the work of a batch-1 call and is assumed to take twice as long.
+BATCH2_WORK = 2.0
+
+# The host: host ops and the lifecycle's CPU work (init_runtime, release) share the RK3588's 4 Cortex-A76 cores;
+# more such threads at once share them evenly. load_rknn reads the file (the blog's figure is disk-bound,
+# ~260 MB/s): loads share one storage stream, two at once take twice as long each (no page-cache hits assumed).
+HOST_CORES = 4
+
+# The parts of a 20-step Spectrum image at 512x512 that are not the denoise.
+DECODE_SECONDS = 155.04  # the blog's stable-diffusion.cpp tiled decode on the board's CPU
+# Not a blog figure (the blog left prompt encoding out): the Qwen3-0.6B file (1.19 GB bf16) read at the blog's
+# ~260 MB/s load rate, 4.6 s, plus both prompts encoded; stable-diffusion.cpp does that in 0.15-0.4 s on a 2-core
+# x86 PC, assumed 3x slower on the A76 cores: ~1.2 s.
+TEXT_SECONDS = 5.8
+BLOG_SECONDS_PER_STEP = 120.40
+BLOG_SPECTRUM_IMAGE_SECONDS = 1512.04
 
 
 # The VAE decoder graphs (--decoder npu): no board has run them, so this is an estimate. Inference = the
@@ -41,18 +69,16 @@ VAE_TFLOPS_PER_CORE = 0.23
 VAE_CORES, VAE_CORES_SPEEDUP = 3, 2.5
 
 
-def graph_phase_seconds(entry) -> dict[str, float]:
-    """Seconds of each phase of one graph (a manifest entry), inference per call with the graph's batch."""
+def graph_phase_seconds(entry, cores: int = 1) -> dict[str, float]:
+    """Seconds of each phase of one graph (a manifest entry), inference per call with the graph's batch on a
+    context spread over `cores` NPU cores."""
     batch = entry.outputs[0].shape[0]
     if entry.kind.startswith("vae_"):
         per_tile = entry.extra["gflop"] / batch / (VAE_TFLOPS_PER_CORE * 1e3)
         inference = per_tile if batch == 1 else \
             -(-batch // VAE_CORES) * per_tile * VAE_CORES / VAE_CORES_SPEEDUP
         return {**phase_seconds("mlp"), "inference": inference}
-    seconds = phase_seconds(entry.kind)
-    if batch > 1:
-        seconds["inference"] *= batch / ASSUMED_BATCH2_SPEEDUP
-    return seconds
+    return {**phase_seconds(entry.kind), "inference": inference_seconds(entry.kind, batch, cores)}
 
 
 def phase_seconds(kind: str) -> dict[str, float]:
@@ -64,10 +90,20 @@ def phase_seconds(kind: str) -> dict[str, float]:
     return seconds
 
 
-def host_seconds_per_visit() -> float:
-    """Host work between two branch visits (one visit = one model, cond and uncond): the step's host time
-    spread evenly over its 84 visits."""
-    return HOST_SECONDS_PER_STEP / (BLOCKS * len(BRANCH_KINDS))
+def inference_seconds(kind: str, batch: int, cores: int) -> float:
+    """NPU seconds of one call of a `kind` graph with a batch of `batch` on one context spread over `cores` cores,
+    alone on the NPU (Amdahl on the conv share for several cores)."""
+    seconds = phase_seconds(kind)["inference"] * (BATCH2_WORK if batch == 2 else 1.0)
+    if cores > 1:
+        share = CONV_SHARE[kind]
+        seconds *= (1 - share) + share / TENSOR_PARALLEL_SPEEDUP[cores]
+    return seconds
+
+
+def host_seconds_per_visit(batch: int = 2) -> float:
+    """Host work between two branch visits of a forward over `batch` images (cond and uncond: 2): the step's
+    host time spread evenly over its 84 visits, and halved for a chain that carries one of the two."""
+    return HOST_SECONDS_PER_STEP / (BLOCKS * len(BRANCH_KINDS)) * batch / 2
 
 
 def serial_seconds_per_step() -> float:

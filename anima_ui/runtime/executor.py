@@ -1,16 +1,16 @@
-"""The branch runtime: a `run_branch(block, kind, inputs)` callable for `dit_forward` that runs each
-branch graph through a backend with the board's lifecycle (load -> init -> run -> release).
+"""The branch runtime: the DiT's branch graphs run by the runners a plan asks for (runners.py, variants.py).
 
-Two executors:
-- serial (the blog's loop): on every visit, load, init, run cond+uncond, release, in the caller's thread;
-- prefetch: the visiting order is a fixed cycle (block 0 sa, ca, mlp, ..., block 27 mlp, block 0 sa, ...),
-  so a background thread opens the next model while the current one runs and releases the previous one.
-  At most `max_contexts` contexts are initialised at once; the file of the model after them may already
-  be read (reads need no context), which keeps a short cross-attention visit from exposing the FFN's
-  load + init behind it.
+`runtime.forward(weights, x, sigma, kv, rope)` is one DiT forward over the CFG batch (cond, uncond):
+- when no branch kind runs on two chains, it is `dit_forward` in the caller's thread with the runtime as its
+  `run_branch`: each visit carries the whole batch to the kind's runner;
+- when some kind runs on two chains, cond and uncond are two forwards in two threads (each its own host ops),
+  meeting at the CFG combine after the forward. A two-chain kind runs on the chain's own runner (cond on core 0,
+  uncond on core 1); any other kind runs where the two chains meet (a Rendezvous) on the kind's shared runner.
+`runtime(block, kind, inputs)` is a single visit (verify, tune and tests drive visits directly): a two-chain kind
+runs its two halves at once on the two chains.
 
-Every context is opened only after the memory gate lets it; the cancel event is checked at every branch
-boundary, and a cancelled or closed runtime releases every context."""
+Cancel is checked at every branch boundary of every chain. A cancelled or failed forward stops every chain
+(each within the branch it is in), joins them and releases every context; so does close()."""
 
 import threading
 import time
@@ -19,104 +19,193 @@ from pathlib import Path
 import numpy as np
 
 from anima_ui.errors import Cancelled, UserError
-from anima_ui.runtime.backends import Backend, make_backend
-from anima_ui.runtime.manifest import GraphEntry, Manifest
-from anima_ui.runtime.memory import MemoryGate
+from anima_ui.model.config import BRANCH_KINDS
+from anima_ui.runtime.backends import Backend, OnnxBackend, RknnLiteBackend, choose_resident
+from anima_ui.runtime.manifest import Manifest
+from anima_ui.runtime.memory import GIB, MemoryGate, read_meminfo
+from anima_ui.runtime.runners import Lifecycle, NpuGuard, PhaseTimings, PrefetchRunner, Rendezvous, SerialRunner
+from anima_ui.runtime.sim import SimulatedBoard
+from anima_ui.runtime.variants import VARIANTS, Plan
 
-# Additive counters in `timings` (seconds unless named *_count); a caller may diff two snapshots.
-#   inference: time in the backend's run calls (NPU time on the board)
-#   load / init / release: time in those phases, whichever thread did them
-#   host: time between two run_branch calls, spent by the caller (AdaLN, residual, sampler, ...)
-#   lifecycle_exposed: time the caller spent in, or waiting for, load/init/release
-#   lifecycle_hidden: load + init + release - lifecycle_exposed (what prefetching hid)
-COUNTERS = ("inference", "load", "init", "release", "host", "lifecycle_exposed", "visits", "calls")
+# What resident onnxruntime sessions leave free beside the memory floor: activations, the host's arrays, other programs.
+RESIDENT_HEADROOM_GIB = 1.0
 
 
 class BranchRuntime:
-    def __init__(self, backend: Backend, graphs_dir, manifest: Manifest, prefetch: bool, max_contexts: int,
-                 gate: MemoryGate, cancel: threading.Event):
-        if max_contexts < 1 or (prefetch and max_contexts < 2):
-            raise UserError(f"max_contexts={max_contexts}: need at least 1 (serial) or 2 (prefetch)")
+    def __init__(self, backend: Backend, graph_sets: dict[int, tuple[Path, Manifest]], plan: Plan, gate: MemoryGate,
+                 cancel: threading.Event):
         self.backend = backend
-        self.graphs_dir = Path(graphs_dir)
-        self.manifest = manifest
-        self.prefetch = prefetch
-        self.max_contexts = max_contexts
+        self.graph_sets = graph_sets
+        self.plan = plan
         self.gate = gate
         self.cancel = cancel  # may be replaced between jobs
-        self._cycle = manifest.cycle()
-        self._counters = dict.fromkeys(COUNTERS, 0.0)
-        self._lock = threading.Condition()
-        self._open_count = 0
-        self.peak_open_contexts = 0
-        self._last_return = None  # end of the previous run_branch call, for host time
+        self._closing = threading.Event()  # stopping: every wait ends, every chain raises at its next boundary
         self._closed = False
-        # prefetch state, keyed by visit position (a counter over the cycle: position % 84 is the graph)
-        self._next = None  # the position the caller needs next
-        self._loaded: dict[int, object] = {}
-        self._contexts: dict[int, object] = {}
-        self._errors: dict[int, BaseException] = {}
-        self._worker = None
+        self._timings = PhaseTimings()
+        guard = NpuGuard(plan.wait_for_inference)
+        self._lifecycles: list[Lifecycle] = []
+        self._runners: list = []
+        self._waiters: list = []  # runners and rendezvous to wake when the runtime stops
+        # kind -> ("chains", (runner0, runner1)) | ("shared", runner, rendezvous)
+        self._routes: dict[str, tuple] = {}
+        cycle = self.manifest.cycle()
+        for name in dict.fromkeys(plan.variants.values()):
+            variant = VARIANTS[name]
+            kinds = [kind for kind in BRANCH_KINDS if plan.variants[kind] == name]
+            folder, manifest = graph_sets[variant.graph_batch]
+            masks = variant.core_masks or (plan.core_mask,)
+            runners = []
+            for chain in range(variant.chains):
+                phases = Lifecycle(backend, folder, manifest, masks[chain], gate, guard, self._timings, self._stopped)
+                self._lifecycles.append(phases)
+                kind_cycle = [(block, kind) for block, kind in cycle if kind in kinds]
+                runners.append(PrefetchRunner(phases, kind_cycle, plan.contexts) if variant.prefetch else SerialRunner(phases))
+            self._runners += runners
+            self._waiters += runners
+            if variant.chains == 2:
+                route = ("chains", tuple(runners))
+            else:
+                rendezvous = Rendezvous(runners[0], manifest, self._stopped)
+                self._waiters.append(rendezvous)
+                route = ("shared", runners[0], rendezvous)
+            self._routes.update(dict.fromkeys(kinds, route))
+        self._last_return: dict[int, float] = {}  # per chain (0 for a single-thread forward): end of its last visit
 
-    # -- what the pipeline and UI read ----------------------------------------------------------------------------
+    # -- what the pipeline and UI read ---------------------------------------------------------------------------------
     @property
-    def timings(self) -> dict[str, float]:
-        with self._lock:
-            t = dict(self._counters)
-        lifecycle = t["load"] + t["init"] + t["release"]
-        t["lifecycle"] = lifecycle
-        t["lifecycle_hidden"] = max(0.0, lifecycle - t["lifecycle_exposed"])
-        return t
+    def manifest(self) -> Manifest:
+        return self.graph_sets[min(self.graph_sets)][1]
+
+    @property
+    def graphs_dir(self) -> Path:
+        return self.graph_sets[min(self.graph_sets)][0]
+
+    @property
+    def timings(self) -> dict:
+        return self._timings.snapshot()
 
     @property
     def open_contexts(self) -> int:
-        with self._lock:
-            return self._open_count
+        return sum(phases.open_contexts for phases in self._lifecycles)
 
     @property
     def gate_status(self):
         return self.gate.status
 
-    # -- run_branch -----------------------------------------------------------------------------------------------
+    # -- running -------------------------------------------------------------------------------------------------------
+    def forward(self, weights, x, sigma, kv, rope, on_block=None) -> np.ndarray:
+        """One DiT forward (velocity) over the batch in x; see the module docstring for how it splits."""
+        # model.forward still imports torch at its top (the torch reference lives there); the board has no torch
+        from anima_ui.model.forward import dit_forward
+
+        self._check()
+        if not self.plan.has_chains() or len(x) != 2:
+            return dit_forward(weights, self, x, sigma, kv, rope, on_block)
+        velocities, residuals = [None, None], ([], [])
+
+        def chain(i):
+            run_branch = lambda block, kind, inputs: self._chain_visit(i, block, kind, inputs)
+            keep = (lambda block, r: residuals[i].append(r.copy())) if on_block else None
+            half_kv = [(k[i:i + 1], v[i:i + 1]) for k, v in kv]
+            velocities[i] = dit_forward(weights, run_branch, x[i:i + 1], sigma[i:i + 1], half_kv, rope, keep)
+
+        self._both(lambda: chain(0), lambda: chain(1))
+        for block, (cond, uncond) in enumerate(zip(*residuals)):
+            on_block(block, np.concatenate([cond, uncond]))
+        return np.concatenate(velocities)
+
     def __call__(self, block: int, kind: str, inputs: dict) -> np.ndarray:
-        if self._closed:
-            raise UserError("this branch runtime was closed; open a new one")
-        self._check_cancel()
-        self._account_host_gap()
-        entry = self.manifest.graph(block, kind)
-        if self.prefetch:
-            position, context = self._acquire_prefetched(block, kind)
-            try:
-                out = self._run(context, entry, inputs)
-            finally:
-                del context  # the worker's release must be the last reference, so it really frees the context
-                with self._lock:
-                    self._next = position + 1
-                    self._lock.notify_all()
-        else:
-            holder = [self._open(entry, exposed=True)]
-            try:
-                out = self._run(holder[0], entry, inputs)
-            finally:
-                self._release(holder, entry, exposed=True)
-        self._count("visits", 1)
-        self._check_cancel()
-        self._last_return = time.perf_counter()
+        """One visit with the whole batch (the run_branch of a single-thread forward)."""
+        try:
+            self._check()
+            self._host_gap(0, inputs)
+            started = time.perf_counter()
+            route = self._routes[kind]
+            if route[0] == "shared":
+                out = route[1](block, kind, inputs)
+            elif len(inputs["h"]) == 1:
+                out = route[1][0](block, kind, inputs)
+            else:
+                halves = [None, None]
+                manifest = self.graph_sets[1][1]
+
+                def half(i):
+                    halves[i] = route[1][i](block, kind, _half(manifest, block, kind, inputs, i))
+
+                self._both(lambda: half(0), lambda: half(1))
+                out = np.concatenate(halves)
+            self._visited(0, kind, started)
+            return out
+        except Cancelled:
+            self.close()
+            raise
+
+    def _chain_visit(self, chain: int, block: int, kind: str, inputs: dict) -> np.ndarray:
+        self._check()
+        self._host_gap(chain, inputs)
+        started = time.perf_counter()
+        route = self._routes[kind]
+        out = route[1][chain](block, kind, inputs) if route[0] == "chains" else route[2](chain, block, kind, inputs)
+        self._visited(chain, kind, started)
         return out
 
+    def _both(self, first, second) -> None:
+        """Run `second` in a new thread and `first` here. If either fails, stop every chain, join, release every
+        context and raise the failure (a Cancelled that only reports the stop gives way to its cause)."""
+        errors = []
+
+        def guarded(fn):
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+                self._stop()
+
+        thread = threading.Thread(target=guarded, args=(second,), name="branch-chain-1", daemon=True)
+        thread.start()
+        guarded(first)
+        thread.join()
+        if errors:
+            self.close()
+            raise next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
+
+    def _check(self) -> None:
+        if self._closed:
+            raise UserError("this branch runtime was closed; open a new one")
+        if self._stopped():
+            raise Cancelled("cancelled" if self.cancel is not None and self.cancel.is_set() else "stopped")
+
+    def _host_gap(self, chain: int, inputs: dict) -> None:
+        last = self._last_return.get(chain)
+        if last is not None:
+            self.backend.host_gap(time.perf_counter() - last, len(inputs["h"]))
+
+    def _visited(self, chain: int, kind: str, started: float) -> None:
+        now = time.perf_counter()
+        last = self._last_return.get(chain)
+        if last is not None:
+            self._timings.add(kind, "host", started - last)
+        if chain == 0:  # a visit of a two-chain forward is counted once (chain 0), like a batch-2 visit
+            self._timings.add(kind, "wall", now - started)
+            self._timings.add(kind, "visits")
+        self._check()
+        self._last_return[chain] = time.perf_counter()
+
+    def _stopped(self) -> bool:
+        return self._closing.is_set() or (self.cancel is not None and self.cancel.is_set())
+
+    def _stop(self) -> None:
+        self._closing.set()
+        for waiter in self._waiters:
+            waiter.wake()
+
     def close(self) -> None:
-        """Stop prefetching and release every context (idempotent)."""
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        if self._worker is not None:
-            self._worker.join()
-            self._worker = None
-        with self._lock:
-            contexts, self._contexts = self._contexts, {}
-            self._loaded.clear()
-        for position in sorted(contexts):
-            self._release([contexts.pop(position)], self._entry_at(position), exposed=False)
+        """Stop every chain and release every context (idempotent). Call it from the thread that drives the runtime
+        (or once nothing runs on it): a context an inference is using in another thread would be released under it."""
+        self._closed = True
+        self._stop()
+        for runner in self._runners:
+            runner.close()
 
     def __enter__(self):
         return self
@@ -124,211 +213,71 @@ class BranchRuntime:
     def __exit__(self, *exc):
         self.close()
 
-    # -- phases -----------------------------------------------------------------------------------------------------
-    def _stopped(self) -> bool:
-        return self._closed or (self.cancel is not None and self.cancel.is_set())
 
-    def _check_cancel(self) -> None:
-        if self.cancel is not None and self.cancel.is_set():
-            self.close()
-            raise Cancelled("cancelled")
-
-    def _account_host_gap(self) -> None:
-        if self._last_return is None:
-            return
-        # The simulated board also charges the board's host work (AdaLN, residual, ... on the A76 cores).
-        self.backend.simulate_host(time.perf_counter() - self._last_return)
-        self._count("host", time.perf_counter() - self._last_return)
-
-    def _count(self, name: str, value: float) -> None:
-        with self._lock:
-            self._counters[name] += value
-
-    def _timed(self, phase: str, exposed: bool, fn, *args):
-        started = time.perf_counter()
-        result = fn(*args)
-        elapsed = time.perf_counter() - started
-        with self._lock:
-            self._counters[phase] += elapsed
-            if exposed:
-                self._counters["lifecycle_exposed"] += elapsed
-        return result
-
-    def _open(self, entry: GraphEntry, exposed: bool):
-        return self._init(self._load(entry, exposed), entry, exposed)
-
-    def _load(self, entry: GraphEntry, exposed: bool):
-        self.gate.wait_until_open(self._stopped)
-        return self._timed("load", exposed, self.backend.load, self.graphs_dir, entry)
-
-    def _init(self, loaded, entry: GraphEntry, exposed: bool):
-        self.gate.wait_until_open(self._stopped)
-        context = self._timed("init", exposed, self.backend.init, loaded, entry)
-        with self._lock:
-            self._open_count += 1
-            self.peak_open_contexts = max(self.peak_open_contexts, self._open_count)
-        return context
-
-    def _release(self, holder: list, entry: GraphEntry, exposed: bool) -> None:
-        """Release the context in the one-element `holder`, which holds its last reference: the object
-        is freed inside the timed phase, not whenever a caller's variable goes out of scope."""
-        started = time.perf_counter()
-        self.backend.release(holder.pop(), entry)
-        elapsed = time.perf_counter() - started
-        with self._lock:
-            self._counters["release"] += elapsed
-            if exposed:
-                self._counters["lifecycle_exposed"] += elapsed
-        with self._lock:
-            self._open_count -= 1
-            self._lock.notify_all()
-
-    def _run(self, context, entry: GraphEntry, inputs: dict) -> np.ndarray:
-        arrays = [self._input(entry, i, inputs) for i in range(len(entry.inputs))]
-        batched = [i for i, spec in enumerate(entry.inputs) if spec.batched]
-        batch = arrays[batched[0]].shape[0]
-        graph_batch = entry.inputs[batched[0]].shape[0]
-        if batch == graph_batch:
-            return self._call(context, entry, arrays)
-        if graph_batch == 1:
-            # CFG on a batch-1 graph: cond and uncond as two calls on the one loaded context.
-            parts = [self._call(context, entry, [a[b:b + 1] if i in batched else a for i, a in enumerate(arrays)])
-                     for b in range(batch)]
-            return np.concatenate(parts, axis=0)
-        if batch < graph_batch:
-            # A batch-2 graph asked for one image (cfg 1): fill the batch, keep what was asked for.
-            padded = [np.concatenate([a] + [a[-1:]] * (graph_batch - batch)) if i in batched else a for i, a in enumerate(arrays)]
-            return self._call(context, entry, padded)[:batch]
-        raise UserError(f"{entry.file} takes a batch of {graph_batch}, got {batch}; export with --batch {batch}")
-
-    def _input(self, entry: GraphEntry, index: int, inputs: dict) -> np.ndarray:
-        spec = entry.inputs[index]
-        array = np.asarray(inputs[spec.name])
-        expected = spec.shape[1:] if spec.batched else spec.shape
-        got = array.shape[1:] if spec.batched else array.shape
-        if tuple(got) != tuple(expected):
-            m = self.manifest
-            raise UserError(
-                f"{entry.file} input {spec.name} has shape {tuple(expected)}, got {tuple(got)}: the graphs in {self.graphs_dir} "
-                f"are for {m.width}x{m.height}; export graphs for this size"
-            )
-        return np.ascontiguousarray(array, dtype=self.backend.input_dtype(entry, index))
-
-    def _call(self, context, entry: GraphEntry, arrays: list) -> np.ndarray:
-        started = time.perf_counter()
-        out = self.backend.run(context, entry, arrays)
-        with self._lock:
-            self._counters["inference"] += time.perf_counter() - started
-            self._counters["calls"] += 1
-        return np.asarray(out, dtype=np.float32)
-
-    def _entry_at(self, position: int) -> GraphEntry:
-        return self.manifest.graph(*self._cycle[position % len(self._cycle)])
-
-    # -- prefetching --------------------------------------------------------------------------------------------
-    def _acquire_prefetched(self, block: int, kind: str):
-        index = self._cycle.index((block, kind))
-        n = len(self._cycle)
-        started = time.perf_counter()
-        with self._lock:
-            if self._next is None:
-                self._next = index
-            elif self._next % n != index:
-                # Visited out of the cycle's order (a forward was abandoned): skip forward to this graph;
-                # everything before it becomes stale and the worker releases it.
-                self._next += (index - self._next) % n
-                self._errors.clear()
-            position = self._next
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._work, name="branch-prefetch", daemon=True)
-                self._worker.start()
-            self._lock.notify_all()
-            while position not in self._contexts:
-                if position in self._errors:
-                    raise self._errors.pop(position)
-                if self._stopped():
-                    break
-                self._lock.wait(0.05)
-            context = self._contexts.get(position)
-        if context is None:
-            self._check_cancel()
-            raise UserError("this branch runtime was closed while a branch waited for its model")
-        self._count("lifecycle_exposed", time.perf_counter() - started)
-        return position, context
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                action = self._next_action()
-                while action is None:
-                    if self._closed:
-                        return
-                    self._lock.wait()
-                    action = self._next_action()
-                if action[0] == "stop":
-                    return
-            name, position, payload = action
-            del action
-            entry = self._entry_at(position)
-            try:
-                if name == "release":
-                    self._release(payload, entry, exposed=False)
-                elif name == "load":
-                    loaded = self._load(entry, exposed=False)
-                    with self._lock:
-                        self._loaded[position] = loaded
-                else:
-                    context = self._init(payload, entry, exposed=False)
-                    with self._lock:
-                        self._contexts[position] = context
-            except BaseException as exc:  # handed to the caller, raised when it reaches this position
-                with self._lock:
-                    self._errors[position] = exc
-            with self._lock:
-                self._lock.notify_all()
-
-    def _next_action(self):
-        """Under the lock: the worker's next job. Releases first (they free memory), then the init or load of
-        the first position in the window [next, next + K) that has no context, then reading one file ahead."""
-        if self._closed:
-            return ("stop", None, None)
-        if self._next is None:
-            return None
-        for position in sorted(p for p in self._loaded if p < self._next):
-            del self._loaded[position]  # a read file of a stale position: just drop it
-        stale = [p for p in self._contexts if p < self._next]
-        if stale:
-            position = min(stale)
-            return ("release", position, [self._contexts.pop(position)])
-        if self._errors or (self.cancel is not None and self.cancel.is_set()):
-            return None
-        for position in range(self._next, self._next + self.max_contexts):
-            if position in self._contexts:
-                continue
-            if position in self._loaded:
-                if self._open_count < self.max_contexts:
-                    return ("init", position, self._loaded.pop(position))
-                return None
-            return ("load", position, None)
-        ahead = self._next + self.max_contexts
-        if ahead not in self._loaded:
-            return ("load", ahead, None)
-        return None
+def _half(manifest: Manifest, block: int, kind: str, inputs: dict, i: int) -> dict:
+    batched = {spec.name for spec in manifest.graph(block, kind).inputs if spec.batched}
+    return {name: value[i:i + 1] if name in batched else value for name, value in inputs.items()}
 
 
-def open_runtime(backend, graphs_dir, prefetch: bool = True, max_contexts: int = 2, mem_floor_gib: float = 1.5,
-                 cancel: threading.Event | None = None, time_scale: float = 1.0, core_mask: str = "auto",
-                 gate_wait_seconds: float = 30.0, threads: int = 0, keep_sessions: bool = False) -> BranchRuntime:
-    """A run_branch callable over the graphs in `graphs_dir` (an exported ONNX folder for onnx/sim, a
-    converted RKNN folder for rknn). `backend` is "onnx" | "sim" | "rknn" or a Backend instance.
-    time_scale and keep_sessions are the simulated board's, core_mask the RKNN-Lite one's."""
+def read_graph_sets(graphs, blocks: int | None = None) -> dict[int, tuple[Path, Manifest]]:
+    """{graph batch: (folder, manifest)} from one folder or several (a dict or list of folders); with `blocks`, only
+    the graphs of the first `blocks` blocks."""
+    folders = graphs.values() if isinstance(graphs, dict) else graphs if isinstance(graphs, (list, tuple)) else [graphs]
+    sets = {}
+    for folder in folders:
+        manifest = Manifest.read(folder)
+        sets[manifest.batch] = (Path(folder), manifest.first_blocks(blocks) if blocks else manifest)
+    return sets
+
+
+def make_backend(name: str, files: list[Path] = (), mem_floor_gib: float = 1.5, time_scale: float = 1.0, threads: int = 0,
+                 resident: str | None = None, contention: str = "none") -> Backend:
+    """files: the graphs the backend will run (the candidates for resident sessions). resident: which onnxruntime sessions stay open between visits: "auto" (as many as MemAvailable allows
+    beside the floor; the onnx backend's default), "all", or "none" (the sim's default: it holds what the
+    board's host holds)."""
+    if name not in ("onnx", "sim", "rknn"):
+        raise UserError(f"unknown runtime backend {name!r}: choose onnx, sim or rknn")
+    if name == "rknn":
+        return RknnLiteBackend()
+    resident = resident or ("auto" if name == "onnx" else "none")
+    if resident not in ("auto", "all", "none"):
+        raise UserError(f"resident sessions {resident!r}: choose auto, all or none")
+    budget = {"all": float("inf"), "none": 0.0}.get(resident)
+    if budget is None:
+        budget = read_meminfo()["MemAvailable"] - (mem_floor_gib + RESIDENT_HEADROOM_GIB) * GIB
+    kept = choose_resident(files, budget)
+    if name == "onnx":
+        return OnnxBackend(threads, kept)
+    return SimulatedBoard(time_scale, threads, kept, contention)
+
+
+def open_runtime(backend, graphs, plan: Plan | None = None, *, prefetch: bool = True, max_contexts: int = 2,
+                 core_mask: str = "auto", wait_for_inference: bool = False, cancel: threading.Event | None = None,
+                 mem_floor_gib: float = 1.5, swap_policy: str = "wait", gate_wait_seconds: float = 30.0,
+                 time_scale: float = 1.0, threads: int = 0, resident: str | None = None, contention: str = "none",
+                 blocks: int | None = None) -> BranchRuntime:
+    """A runtime over the graphs in `graphs` (one folder, or one per graph batch: exported ONNX for onnx/sim,
+    converted RKNN for rknn). `backend` is "onnx" | "sim" | "rknn" or a Backend instance. Without a plan, every
+    kind runs prefetch (or serial with prefetch=False) with max_contexts, core_mask and wait_for_inference.
+    time_scale and contention are the simulated board's, threads and resident the onnxruntime sessions'.
+    blocks: run only the first `blocks` blocks' graphs (a sample, visited as a cycle of its own)."""
+    graph_sets = read_graph_sets(graphs, blocks)
+    plan = plan or Plan.uniform("prefetch" if prefetch else "serial", contexts=max_contexts, core_mask=core_mask,
+                                wait_for_inference=wait_for_inference)
+    for batch in sorted(plan.graph_batches() - graph_sets.keys()):
+        kinds = [kind for kind in BRANCH_KINDS if plan.variant(kind).graph_batch == batch]
+        have = ", ".join(f"batch-{b} graphs in {folder}" for b, (folder, _) in graph_sets.items())
+        raise UserError(f"the variant for {', '.join(kinds)} runs batch-{batch} graphs, and there are only {have}; "
+                        f"export them with `anima-ui export --batch {batch}` or choose another --variant")
+    gate = MemoryGate(floor_gib=mem_floor_gib, swap_policy=swap_policy, wait_seconds=gate_wait_seconds)
     if isinstance(backend, str):
-        backend = make_backend(backend, time_scale=time_scale, core_mask=core_mask, threads=threads, keep_sessions=keep_sessions)
-    manifest = Manifest.read(graphs_dir)
-    if manifest.format != backend.graph_format:
-        raise UserError(
-            f"{graphs_dir} holds {manifest.format} graphs but the {backend.name} backend runs {backend.graph_format}; "
-            + ("convert them with `anima-ui convert-rknn`" if backend.graph_format == "rknn" else "point it at an exported folder")
-        )
-    gate = MemoryGate(floor_gib=mem_floor_gib, wait_seconds=gate_wait_seconds)
-    return BranchRuntime(backend, graphs_dir, manifest, prefetch, max_contexts, gate, cancel or threading.Event())
+        files = [graph_sets[plan.variant(kind).graph_batch][0] / graph_sets[plan.variant(kind).graph_batch][1].graph(block, kind).file
+                 for block, kind in next(iter(graph_sets.values()))[1].cycle()]
+        backend = make_backend(backend, files, mem_floor_gib, time_scale, threads, resident, contention)
+    for folder, manifest in graph_sets.values():
+        if manifest.format != backend.graph_format:
+            raise UserError(
+                f"{folder} holds {manifest.format} graphs but the {backend.name} backend runs {backend.graph_format}; "
+                + ("convert them with `anima-ui convert-rknn`" if backend.graph_format == "rknn" else "point it at an exported folder")
+            )
+    return BranchRuntime(backend, graph_sets, plan, gate, cancel or threading.Event())

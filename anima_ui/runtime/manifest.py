@@ -6,7 +6,7 @@ in the order the graph takes them; `batched` inputs carry the CFG batch on axis 
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from anima_ui.errors import UserError
@@ -48,6 +48,12 @@ class Manifest:
 
     def graph(self, block: int, kind: str) -> GraphEntry:
         return self._index()[(block, kind)]
+
+    def first_blocks(self, count: int) -> "Manifest":
+        """The same graphs for blocks 0..count-1 only (what `tune` runs as its sample: a cycle of its own)."""
+        if not 1 <= count <= len({g.block for g in self.graphs}):
+            raise UserError(f"a sample of {count} blocks: the graphs have {len({g.block for g in self.graphs})}")
+        return replace(self, graphs=[g for g in self.graphs if g.block < count])
 
     def cycle(self) -> list[tuple[int, str]]:
         """The fixed visiting order of dit_forward: block 0 sa, ca, mlp, block 1 sa, ..."""

@@ -1,7 +1,7 @@
 """The torch backend: the DiT branches run as the float32 torch reference modules, in the caller's thread.
 
-It has the graph runtimes' interface (`runtime(block, kind, inputs)` as `run_branch`, `close()`, `timings`,
-`open_contexts`, `gate_status`), so the pipeline treats every backend alike. It needs no exported graphs, opens no
+It has the graph runtimes' interface (`forward(...)`, `runtime(block, kind, inputs)` as `run_branch`, `close()`,
+`timings`, `open_contexts`, `gate_status`), so the pipeline treats every backend alike. It needs no exported graphs, opens no
 contexts and so has no memory gate; its modules share the NumPy weights (no copy)."""
 
 import threading
@@ -10,6 +10,7 @@ import numpy as np
 
 from anima_ui.errors import Cancelled
 from anima_ui.model.config import AnimaConfig
+from anima_ui.model.forward import dit_forward
 from anima_ui.model.reference import TorchBranches
 
 
@@ -25,6 +26,10 @@ class TorchRuntime:
     def timings(self) -> dict:
         """No per-phase counters: every branch runs inside the caller's step."""
         return {}
+
+    def forward(self, weights, x, sigma, kv, rope, on_block=None) -> np.ndarray:
+        """One DiT forward over the batch in x, every branch in the caller's thread."""
+        return dit_forward(weights, self, x, sigma, kv, rope, on_block)
 
     def __call__(self, block: int, kind: str, inputs: dict) -> np.ndarray:
         if self.cancel.is_set():

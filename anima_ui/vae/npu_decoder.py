@@ -12,7 +12,8 @@ import numpy as np
 from anima_ui.errors import Cancelled, UserError
 from anima_ui.metrics import psnr
 from anima_ui.runtime import board_latency
-from anima_ui.runtime.backends import Backend, make_backend
+from anima_ui.runtime.backends import Backend
+from anima_ui.runtime.executor import make_backend
 from anima_ui.vae.latent import SCALE, check_latent, to_uint8
 from anima_ui.vae.npu_graphs import CHECK_IMAGE, CHECK_LATENT, MANIFEST, VaeGraphs, build_vae_graphs
 from anima_ui.vae.tiling import assemble, cut_windows
@@ -23,9 +24,9 @@ MIN_BOARD_PSNR = 50.0  # dB: the board's gate against the fp32 decode of the sam
 
 
 def decode_npu(latent, graphs_dir, backend: Backend | str = "onnx", layout: str = DEFAULT_LAYOUT,
-               cancel: threading.Event | None = None, **backend_options) -> tuple[np.ndarray, dict]:
-    """Model-space latent [1,16,h,w] -> (uint8 RGB [8h,8w,3], seconds per phase). `backend_options` go to
-    make_backend when `backend` is a name (time_scale, core_mask, threads)."""
+               cancel: threading.Event | None = None, core_mask: str = "auto", **backend_options) -> tuple[np.ndarray, dict]:
+    """Model-space latent [1,16,h,w] -> (uint8 RGB [8h,8w,3], seconds per phase). core_mask: the NPU cores of
+    each context; `backend_options` go to make_backend when `backend` is a name (time_scale, threads)."""
     graphs = VaeGraphs.read(graphs_dir)
     if isinstance(backend, str):
         backend = make_backend(backend, **backend_options)
@@ -37,34 +38,35 @@ def decode_npu(latent, graphs_dir, backend: Backend | str = "onnx", layout: str 
         raise UserError(f"the NPU decoder graphs in {graphs_dir} are for {graphs.width}x{graphs.height}, the image is "
                         f"{latent.shape[3] * SCALE}x{latent.shape[2] * SCALE}; build them for this size")
     seconds = dict.fromkeys(("load", "init", "inference", "release"), 0.0)
-    image = run_layout(latent, graphs, Path(graphs_dir), backend, layout, cancel, seconds)
+    image = run_layout(latent, graphs, Path(graphs_dir), backend, layout, cancel, seconds, core_mask)
     return to_uint8(image[0].transpose(1, 2, 0)), seconds
 
 
 def run_layout(latent: np.ndarray, graphs: VaeGraphs, folder: Path, backend: Backend, layout: str,
-               cancel: threading.Event | None, seconds: dict) -> np.ndarray:
+               cancel: threading.Event | None, seconds: dict, core_mask: str = "auto") -> np.ndarray:
     """The image [1,3,8h,8w] in [0,1] (float32) of one layout's graphs."""
     if layout not in graphs.layouts:
         raise UserError(f"no {layout!r} NPU decoder layout in {folder} (it has {', '.join(graphs.layouts)}); "
                         f"choose one of those")
     files = graphs.layouts[layout]
     if layout == "untiled":
-        return _run_graph(backend, folder, graphs.entry(files[0]), [latent], cancel, seconds)[0]
+        return _run_graph(backend, folder, graphs.entry(files[0]), [latent], cancel, seconds, core_mask)[0]
     trunk, up = (graphs.entry(f) for f in files)
-    features = _run_graph(backend, folder, trunk, [latent], cancel, seconds)[0]
+    features = _run_graph(backend, folder, trunk, [latent], cancel, seconds, core_mask)[0]
     plan = graphs.plan()
     windows = cut_windows(features, plan)
     calls = [windows] if up.inputs[0].shape[0] > 1 else [window[None] for window in windows]
-    return assemble(np.concatenate(_run_graph(backend, folder, up, calls, cancel, seconds)), plan)
+    return assemble(np.concatenate(_run_graph(backend, folder, up, calls, cancel, seconds, core_mask)), plan)
 
 
-def _run_graph(backend: Backend, folder: Path, entry, calls: list[np.ndarray], cancel, seconds: dict) -> list[np.ndarray]:
+def _run_graph(backend: Backend, folder: Path, entry, calls: list[np.ndarray], cancel, seconds: dict,
+               core_mask: str) -> list[np.ndarray]:
     _check(cancel)
     started = time.perf_counter()
-    loaded = backend.load(folder, entry)
+    loaded = backend.load(folder / entry.file, entry)
     seconds["load"] += time.perf_counter() - started
     started = time.perf_counter()
-    context = backend.init(loaded, entry)
+    context = backend.init(loaded, entry, core_mask)
     del loaded  # the file's bytes: the context no longer needs them
     seconds["init"] += time.perf_counter() - started
     try:
@@ -92,7 +94,8 @@ def _check(cancel) -> None:
         raise Cancelled("cancelled")
 
 
-def check_npu_decoder(graphs_dir, backend: Backend | str = "rknn", layouts=None, **backend_options) -> dict:
+def check_npu_decoder(graphs_dir, backend: Backend | str = "rknn", layouts=None, core_mask: str = "auto",
+                      **backend_options) -> dict:
     """The board's gate: decode the folder's stored check latent with each layout and compare with the fp32
     onnxruntime image stored next to it at conversion. Returns {layout: {"psnr", "nonfinite", "seconds",
     "ok"}}; ok means >= MIN_BOARD_PSNR dB with no NaN/Inf."""
@@ -106,7 +109,7 @@ def check_npu_decoder(graphs_dir, backend: Backend | str = "rknn", layouts=None,
     results = {}
     for layout in layouts or graphs.layouts:
         seconds = dict.fromkeys(("load", "init", "inference", "release"), 0.0)
-        image = run_layout(latent, graphs, folder, backend, layout, None, seconds)
+        image = run_layout(latent, graphs, folder, backend, layout, None, seconds, core_mask)
         nonfinite = int((~np.isfinite(image)).sum())
         quality = psnr(np.nan_to_num(image), reference)
         results[layout] = {"psnr": round(float(quality), 2), "nonfinite": nonfinite,
@@ -138,7 +141,7 @@ def graphs_folder(vae_path, graph_format: str, width: int, height: int) -> Path:
 
 
 def decode_for_model(latent, vae_path, backend: str = "onnx", layout: str = DEFAULT_LAYOUT, cancel=None,
-                     **backend_options) -> np.ndarray:
+                     core_mask: str = "auto", **backend_options) -> np.ndarray:
     """decode_npu with the model's own graphs folder: the ONNX graphs (onnx, sim) are built on first use,
     the RKNN ones must have been converted."""
     _, _, h, w = np.shape(latent)
@@ -149,5 +152,5 @@ def decode_for_model(latent, vae_path, backend: str = "onnx", layout: str = DEFA
             raise UserError(f"no converted NPU decoder graphs for {w * SCALE}x{h * SCALE} in {folder}; "
                             "use --decoder sdcpp")
         build_vae_graphs(vae_path, w * SCALE, h * SCALE, folder)
-    pixels, _ = decode_npu(latent, folder, backend, layout, cancel)
+    pixels, _ = decode_npu(latent, folder, backend, layout, cancel, core_mask)
     return pixels
