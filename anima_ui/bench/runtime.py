@@ -1,13 +1,17 @@
-"""`anima-ui bench runtime`: the split runtime, measured.
+"""`anima-ui bench runtime`: the split runtime, measured. Every part drives the real runners and reads their own
+per-kind phase timings, and steps with the sampler's Euler + CFG (cfg_x0_predictor over runtime.forward).
 
-(a) simulated board: 20 CFG steps at 512x512 geometry (1024 image tokens, 512 text tokens, 28 blocks
-    of the tiny model's widths) with the blog's latency table (runtime/board_latency.py): serial vs
-    prefetch vs batch-2 graphs. Runs at --time-scale and prints board seconds (measured / scale).
-(b) this machine: full-size random weights at 512x512, one CFG step, each variant in its own process
-    (so peak RSS is per variant): split onnxruntime (prefetch, K=2), the torch reference, diffusers'
-    CosmosTransformer3DModel; plus cross-attention with host K/V vs a graph that projects the context.
-(c) --board: on an RK3588, the blog's table (load / init / inference / release per branch kind,
-    per-step totals, MemAvailable, PSS, swap) from real steps of the rknn backend."""
+(a) sim: the simulated board (runtime/sim.py) with the board's latencies at 512x512: every variant side by side
+    under each NPU-contention assumption, in board seconds per CFG step, and the total for a 20-step Spectrum image
+    (11 computed steps, text encoding and the sd.cpp decode), next to the blog's 120.4 s/step and 1512 s. Runs at
+    --time-scale. onnxruntime computes the numbers with a 28-block model of the tiny widths at 256x256: the real
+    compute must stay well inside every scaled phase (at 512x512 a cross-attention call alone takes ~7% of its
+    board time here), and the board's latencies do not depend on it.
+(b) machine: full-size weights at 512x512 on this machine, each variant in its own process (so peak RSS is
+    per variant): split onnxruntime (prefetch, resident sessions as MemAvailable allows), the torch reference,
+    diffusers' CosmosTransformer3DModel (one step), cross-attention with host K/V vs a projecting graph.
+(c) --board: on an RK3588 (or --backend sim anywhere), real steps of the chosen variant: a line per step as it
+    goes, then the blog's table per branch kind (load / init / inference / release) and memory."""
 
 import json
 import shutil
@@ -15,54 +19,61 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from anima_ui.commands.pipeline_flags import add_runtime_arguments, open_options, runtime_plan
 from anima_ui.convert.export import export_graphs
 from anima_ui.errors import UserError
 from anima_ui.fixtures.model import write_random_model
 from anima_ui.fixtures.weights import write_random_dit
 from anima_ui.model.branch_graphs import cross_attention_body
-from anima_ui.model.branches import CrossAttentionBranch
 from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.config import BRANCH_KINDS, AnimaConfig
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.model.host import EPS, block_weights, cross_attention_kv
 from anima_ui.model.onnx_graph import Graph, linear, reshape, rms_norm
-from anima_ui.model.reference import TorchBranches
 from anima_ui.modelfiles import ModelPaths
-from anima_ui.runtime import board_latency, open_runtime
+from anima_ui.runtime import VARIANTS, Plan, board_latency, open_runtime
 from anima_ui.runtime.graphs import graphs_ready
 from anima_ui.runtime.host_weights import load_host_weights
 from anima_ui.runtime.manifest import Manifest, TensorSpec
-from anima_ui.runtime.memory import GIB, MIB, process_memory, read_meminfo, swap_used
+from anima_ui.runtime.memory import GIB, MIB, PAGE, process_memory, read_meminfo, read_vmstat
+from anima_ui.sampling.cfg import cfg_x0_predictor
+from anima_ui.sampling.euler import euler_steps
 from anima_ui.sampling.schedule import simple_sigmas
+from anima_ui.sampling.spectrum import plan as spectrum_plan
 
-# Each (b) variant runs this module in a process of its own and reports that process's peak RSS, so what only some
-# of them use is imported where it is used: onnxruntime (the cross-attention comparison), and diffusers (a test and benchmark requirement, requirements-dev.txt) for its row.
+# torch (and the torch reference's modules, model.reference and model.branches), onnxruntime and diffusers are
+# imported where they are used: `--board` runs on a board that has no torch, and each (b) variant runs this module in
+# a process of its own and reports that process's peak RSS.
 
 CFG_SCALE = 4.0
+SIM_COMPUTE_SIDE = 256  # (a): the size onnxruntime computes at; the simulated latencies are the board's at 512x512
+MACHINE_VARIANTS = ("onnx", "torch", "diffusers", "cross_attention")
 
 
 def add_arguments(parser):
     parser.add_argument("--parts", default="sim,machine", help="comma list of: sim, machine (default both)")
-    parser.add_argument("--time-scale", type=float, default=0.2,
-                        help="(a), and (c) with --backend sim: fraction of the board's latencies to sleep (0.2: ~19 min for (a);"
-                             " smaller scales let this machine's own compute and scheduling show through)")
-    parser.add_argument("--steps", type=int, default=20, help="(a) and (c): CFG steps")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="CFG steps: (a) per variant (default 3: the first opens every context, the rest are steady), "
+                             "(b) per variant (default 1), (c) default 3")
     parser.add_argument("--models", help="(b): a full-size model folder (default: write random full-size weights into --work)"
                                          "; (c): the board's model folder")
-    parser.add_argument("--work", help="(b): keep the random model and its ~6.6 GB ONNX export here (reused by the next run); "
+    parser.add_argument("--work", help="(b): keep the random model and its ONNX export here (reused by the next run); "
                                        "default: a temporary folder, deleted after")
+    parser.add_argument("--graphs", help="(b): an exported full-size ONNX folder to reuse (default: export into --work)")
+    parser.add_argument("--variants", default="onnx,torch,diffusers,cross_attention",
+                        help=f"(b): which of {', '.join(MACHINE_VARIANTS)} to run")
     parser.add_argument("--board", action="store_true", help="(c): run on an RK3588 with the rknn backend")
     parser.add_argument("--backend", default="rknn", help="(c): backend to measure (rknn on a board; sim to try it anywhere)")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--height", type=int, default=512)
+    add_runtime_arguments(parser, profile=False)
+    parser.set_defaults(time_scale=0.1)
 
 
 def run(args) -> int:
@@ -72,23 +83,13 @@ def run(args) -> int:
     if not parts <= {"sim", "machine"}:
         raise UserError(f"--parts {args.parts!r}: use sim, machine or sim,machine")
     if "sim" in parts:
-        simulated_board_table(args.time_scale, args.steps)
+        simulated_board_table(args.time_scale, args.steps or 3, args.max_contexts or 2)
     if "machine" in parts:
         machine_table(args)
     return 0
 
 
 # -- shared -----------------------------------------------------------------------------------------------------
-def cfg_step_runner(weights, run_branch, kv, rope, cfg_scale=CFG_SCALE):
-    """One Euler CFG step on batch 2 (cond, uncond): returns step(x, sigma, sigma_next) -> x_next."""
-    def step(x, sigma, sigma_next):
-        velocity = dit_forward(weights, run_branch, np.repeat(x, 2, axis=0), np.full(2, sigma, np.float32), kv, rope)
-        guided = velocity[1:] + cfg_scale * (velocity[:1] - velocity[1:])
-        return (x + (sigma_next - sigma) * guided).astype(np.float32)
-
-    return step
-
-
 def conditioning(cfg, weights, width, height, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, cfg.latent_channels, height // 8, width // 8)).astype(np.float32)
@@ -96,62 +97,110 @@ def conditioning(cfg, weights, width, height, seed=0):
     return x, prepare_kv(weights, context), prepare_rope(cfg, height // 8, width // 8)
 
 
+def cfg_steps(velocity, x, steps: int):
+    """The sampler's Euler steps with CFG 4 over `velocity(xs, sigmas)`: yields after each step."""
+    return euler_steps(cfg_x0_predictor(velocity, CFG_SCALE), x, simple_sigmas(steps))
+
+
+def timed_steps(runtime, weights, x, kv, rope, steps: int, on_step=None) -> list[dict]:
+    """Run `steps` CFG steps through the runtime; per step: seconds and the runtime's timing counters it added."""
+    records = []
+    before, started = runtime.timings, time.perf_counter()
+    for info in cfg_steps(lambda xs, sigmas: runtime.forward(weights, xs, sigmas, kv, rope), x, steps):
+        after, now = runtime.timings, time.perf_counter()
+        record = {"seconds": now - started, **_diff(before, after)}
+        records.append(record)
+        if on_step:
+            on_step(info, record)
+        before, started = runtime.timings, time.perf_counter()
+    return records
+
+
+def _diff(before: dict, after: dict) -> dict:
+    out = {k: after[k] - before[k] for k in after if k != "per_kind"}
+    out["per_kind"] = {kind: {k: after["per_kind"][kind][k] - before["per_kind"][kind][k] for k in after["per_kind"][kind]}
+                       for kind in after["per_kind"]}
+    return out
+
+
 def median(values):
     return statistics.median(values) if values else float("nan")
 
 
 # -- (a) simulated board ------------------------------------------------------------------------------------------
-def simulated_board_table(time_scale: float, steps: int) -> None:
+def simulated_board_table(time_scale: float, steps: int, contexts: int) -> None:
+    computed = len(spectrum_plan(20)[0])
     cfg = replace(AnimaConfig.tiny(), num_blocks=board_latency.BLOCKS)
+    print(f"\n(a) simulated RK3588 board, its latencies at 512x512 (28 blocks), CFG 4, {steps} steps per row "
+          f"(s/step: median of the steps after the first), run at time scale {time_scale:g}; board seconds = measured / {time_scale:g}")
     with tempfile.TemporaryDirectory(prefix="anima-bench-sim-") as work:
         checkpoint = Path(work, "anima-bench-28-blocks.safetensors")
         write_random_dit(checkpoint, cfg, 0)
         cfg, weights = load_dit(checkpoint)
-        graphs = {batch: Path(work, f"onnx-b{batch}") for batch in (1, 2)}
-        for batch, folder in graphs.items():
-            export_graphs(checkpoint, 512, 512, folder, batch=batch)
-        x0, kv, rope = conditioning(cfg, weights, 512, 512)
-        sigmas = simple_sigmas(steps)
-        variants = [
-            ("serial (blog's loop)", graphs[1], {"prefetch": False}),
-            ("prefetch K=2", graphs[1], {"prefetch": True, "max_contexts": 2}),
-            ("prefetch K=2, batch-2 graphs*", graphs[2], {"prefetch": True, "max_contexts": 2}),
-        ]
+        graphs = [Path(work, f"onnx-b{batch}") for batch in (1, 2)]
+        for batch, folder in zip((1, 2), graphs):
+            export_graphs(checkpoint, SIM_COMPUTE_SIDE, SIM_COMPUTE_SIDE, folder, batch=batch)
+        x, kv, rope = conditioning(cfg, weights, SIM_COMPUTE_SIDE, SIM_COMPUTE_SIDE)
+
+        def measure(plan, contention):
+            options = {"time_scale": time_scale, "resident": "all", "threads": 1, "contention": contention}
+            with open_runtime("sim", graphs, plan, **options) as runtime:
+                records = timed_steps(runtime, weights, x, kv, rope, steps)
+            steady = records[1:] or records
+            per_kind = {kind: median([r["per_kind"][kind]["wall"] for r in steady]) / time_scale for kind in BRANCH_KINDS}
+            keys = ("inference", "host", "lifecycle", "lifecycle_exposed")
+            return median([r["seconds"] for r in steady]) / time_scale, per_kind, {k: median([r[k] for r in steady]) / time_scale for k in keys}
+
         rows = []
-        for name, folder, options in variants:
-            runtime = open_runtime("sim", folder, time_scale=time_scale, keep_sessions=True, threads=1, **options)
-            step = cfg_step_runner(weights, runtime, kv, rope)
-            x, seconds, deltas = x0, [], []
-            for i in range(steps):
-                before, started = runtime.timings, time.perf_counter()
-                x = step(x, sigmas[i], sigmas[i + 1])
-                seconds.append((time.perf_counter() - started) / time_scale)
-                after = runtime.timings
-                deltas.append({k: (after[k] - before[k]) / time_scale for k in after})
-            runtime.close()
-            per_step = {k: median([d[k] for d in deltas]) for k in deltas[0]}
-            rows.append((name, median(seconds), sum(seconds), per_step, runtime.peak_open_contexts))
-    serial = rows[0][1]
-    print(f"\n(a) simulated RK3588 board, {steps} CFG steps at 512x512 (1024 image / 512 text tokens, 28 blocks), "
-          f"run at time scale {time_scale:g}; board seconds = measured / {time_scale:g}")
-    print(f"    model of the blog's serial loop: {board_latency.serial_seconds_per_step():.1f} s/step "
-          f"(blog measured 120.40); lifecycle fully hidden would give "
-          f"{board_latency.serial_seconds_per_step() - board_latency.BLOCKS * sum(board_latency.LIFECYCLE_SECONDS_PER_MODEL.values()):.1f}")
-    header = (f"{'variant':<30} {'s/step':>7} {f'{steps}-step s':>9} {'vs serial':>9} {'NPU':>6} {'host':>6} {'lifecycle':>9} "
-              f"{'exposed':>7} {'hidden':>7} {'contexts':>8}")
-    print(header)
-    for name, med, total, t, peak in rows:
-        print(f"{name:<30} {med:7.1f} {total:9.0f} {100 * (med / serial - 1):+8.1f}% {t['inference']:6.1f} {t['host']:6.1f} "
-              f"{t['lifecycle']:9.1f} {t['lifecycle_exposed']:7.1f} {t['lifecycle_hidden']:7.1f} {peak:8d}")
-    print("    medians over steps; s/step, NPU, host, lifecycle in board seconds per CFG step; contexts = most alive at once")
-    print(f"    * batch-2 NPU time is an assumption, not a board figure: 2 x batch-1 / {board_latency.ASSUMED_BATCH2_SPEEDUP} "
-          "(jaylfc/taOS#59, two UNets on two cores)")
+        for name, variant in VARIANTS.items():
+            plan = Plan.uniform(name, contexts=contexts)
+            # contention only acts when two contexts run on two cores at once: only the two-chain variant does that
+            results = {c: measure(plan, c) for c in (board_latency.CONTENTION if variant.chains == 2 else ["none"])}
+            rows.append((name, variant.about, results))
+        # the per-kind choice `anima-ui tune` would make here: each kind's fastest variant (wall time in its visits)
+        best = {}
+        for contention in board_latency.CONTENTION:
+            chosen = {kind: min(rows, key=lambda row: row[2].get(contention, row[2]["none"])[1][kind])[0] for kind in BRANCH_KINDS}
+            mixed = Plan(chosen, contexts=contexts)
+            best[contention] = (mixed, measure(mixed, contention))
+
+    def image_seconds(per_step):
+        return board_latency.TEXT_SECONDS + computed * per_step + board_latency.DECODE_SECONDS
+
+    contentions = list(board_latency.CONTENTION)
+    head = "".join(f" {'s/step ' + c:>14} {'image ' + c:>13}" for c in contentions)
+    print(f"{'variant':<14}{head} {'NPU':>6} {'host':>6} {'lifecycle':>9} {'exposed':>7}   K={contexts}")
+    print(f"{'blog (serial)':<14}" + "".join(f" {board_latency.BLOG_SECONDS_PER_STEP:14.1f} {board_latency.BLOG_SPECTRUM_IMAGE_SECONDS:13.0f}" for _ in contentions))
+    for name, about, results in rows:
+        cells = "".join(f" {results.get(c, results['none'])[0]:14.1f} {image_seconds(results.get(c, results['none'])[0]):13.0f}" for c in contentions)
+        t = results["none"][2]
+        same = "" if len(results) > 1 else "  (one context at a time: contention does not apply)"
+        print(f"{name:<14}{cells} {t['inference']:6.1f} {t['host']:6.1f} {t['lifecycle']:9.1f} {t['lifecycle_exposed']:7.1f}{same}")
+    for contention, (mixed, result) in best.items():
+        t = result[2]
+        print(f"{'per-kind best':<14} under {contention}: {result[0]:.1f} s/step, image {image_seconds(result[0]):.0f} s  "
+              f"[{mixed.describe()}]  NPU {t['inference']:.1f} host {t['host']:.1f} lifecycle {t['lifecycle']:.1f} exposed {t['lifecycle_exposed']:.1f}")
+    print(f"    image = text encoding {board_latency.TEXT_SECONDS:.1f} s (estimate) + {computed} computed Spectrum steps of 20 x s/step "
+          f"+ sd.cpp decode {board_latency.DECODE_SECONDS:.0f} s (blog); forecast steps cost ~0. Goal: <= 50 s/step, <= 480 s per image.")
+    print("    NPU = inference seconds summed over cores (two chains: both); host, lifecycle (load+init+release), exposed "
+          "(lifecycle a chain waited for): board seconds per step")
+    print("    assumptions (runtime/board_latency.py, docs/runtime.md): blog per-model latencies; two cores at once: "
+          + ", ".join(f"{c} = each call x{f:.3f}" for c, f in board_latency.CONTENTION.items())
+          + f"; core_mask 0_1 / 0_1_2 speed up the conv share (self-attn {board_latency.CONV_SHARE['self_attn']:.2f}, "
+          f"cross-attn {board_latency.CONV_SHARE['cross_attn']:.2f}, FFN 1.0) by {board_latency.TENSOR_PARALLEL_SPEEDUP[2]} / "
+          f"{board_latency.TENSOR_PARALLEL_SPEEDUP[3]}; a batch-2 call does {board_latency.BATCH2_WORK:g}x the work; loads share one "
+          f"storage stream; host ops, init and release share {board_latency.HOST_CORES} host cores")
 
 
 # -- (b) this machine, full size --------------------------------------------------------------------------------------
 def machine_table(args) -> None:
+    steps = args.steps or 1
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(MACHINE_VARIANTS)
+    if unknown:
+        raise UserError(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MACHINE_VARIANTS)}")
     available = read_meminfo()["MemAvailable"] / GIB
-    print(f"\n(b) this machine, full-size random weights, {args.width}x{args.height}, one CFG step (batch 2); "
+    print(f"\n(b) this machine, full-size random weights, {args.width}x{args.height}, {steps} CFG step(s) per variant (batch 2, CFG 4); "
           f"MemAvailable at start {available:.1f} GiB")
     if available < 14 and not args.models:
         raise UserError(f"(b) needs ~14 GiB free (the torch reference holds 8.4 GB of fp32 weights); MemAvailable is {available:.1f} GiB")
@@ -159,7 +208,7 @@ def machine_table(args) -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         models = Path(args.models) if args.models else _random_full_model(work)
-        graphs = work / f"onnx-{args.width}x{args.height}"
+        graphs = Path(args.graphs) if args.graphs else work / f"onnx-{args.width}x{args.height}"
         if not graphs_ready(graphs):  # an export kept in --work is reused
             started = time.perf_counter()
             subprocess.run([sys.executable, "-m", "anima_ui", "export", "--models", str(models), "--width", str(args.width),
@@ -167,11 +216,15 @@ def machine_table(args) -> None:
             size = sum(p.stat().st_size for p in graphs.glob("*.onnx")) / 1e9
             print(f"    export of {len(list(graphs.glob('*.onnx')))} fp32 graphs: {time.perf_counter() - started:.0f} s, {size:.2f} GB")
         results = {}
-        for variant in VARIANTS:
-            command = [sys.executable, "-m", "anima_ui.bench.runtime", variant, str(models), str(graphs), str(args.width), str(args.height)]
-            done = subprocess.run(command, capture_output=True, text=True)
+        for variant in variants:
+            command = [sys.executable, "-m", "anima_ui.bench.runtime", variant, str(models), str(graphs), str(args.width),
+                       str(args.height), str(1 if variant == "diffusers" else steps), str(args.mem_floor_gib)]
+            started = time.perf_counter()
+            print(f"    {variant}: started", flush=True)
+            done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its progress lines go to stderr as they come
             lines = done.stdout.strip().splitlines()
-            results[variant] = json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+            results[variant] = json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": f"exit {done.returncode} (see above)"}
+            results[variant]["process_seconds"] = time.perf_counter() - started
         _print_machine_rows(results)
     finally:
         if not args.work:
@@ -186,21 +239,25 @@ def _random_full_model(work: Path) -> Path:
 
 
 def _print_machine_rows(results: dict) -> None:
-    print(f"{'variant':<34} {'s/step':>7} {'host s':>7} {'host %':>7} {'branches s':>10} {'peak RSS GiB':>12}")
-    names = {"onnx": "split onnxruntime, prefetch K=2", "torch": "torch reference (split, in-process)",
+    print(f"{'variant':<40} {'steps':>5} {'s/step':>7} {'first':>7} {'host s':>7} {'branches s':>10} {'peak RSS GiB':>12} {'process s':>9}")
+    names = {"onnx": "split onnxruntime, prefetch K=2, resident", "torch": "torch reference (split, in-process)",
              "diffusers": "diffusers CosmosTransformer3DModel"}
     for variant, r in results.items():
         if variant not in names:
             continue
         if "error" in r:
-            print(f"{names[variant]:<34} failed: {r['error'][:80]}")
+            print(f"{names[variant]:<40} failed: {r['error'][:80]}")
             continue
-        host = r.get("host_seconds")
-        host_text = f"{host:7.1f} {100 * host / r['step_seconds']:6.1f}%" if host is not None else f"{'-':>7} {'-':>7}"
-        branch = r.get("branch_seconds")
-        print(f"{names[variant]:<34} {r['step_seconds']:7.1f} {host_text} {'-' if branch is None else f'{branch:.1f}':>10} "
-              f"{r['peak_rss_gib']:12.2f}")
+        host, branch = r.get("host_seconds"), r.get("branch_seconds")
+        print(f"{names[variant]:<40} {r['steps']:5d} {r['step_seconds']:7.1f} {r['first_step_seconds']:7.1f} "
+              f"{'-' if host is None else f'{host:.1f}':>7} {'-' if branch is None else f'{branch:.1f}':>10} "
+              f"{r['peak_rss_gib']:12.2f} {r['process_seconds']:9.0f}")
+    print("    s/step: median over the steps after the first (the first alone when there is one); host, branches: per step")
     onnx, ca = results.get("onnx", {}), results.get("cross_attention", {})
+    if "resident" in onnx:
+        print(f"    onnx: {onnx['resident']} of {onnx['graphs']} sessions resident (K from MemAvailable at open and the graphs' sizes); "
+              f"session creation (init) {onnx['init_first_step']:.1f} s in the first step, {onnx['init_later_steps']:.2f} s in all later "
+              f"steps together; inference {onnx['inference']:.1f} s/step")
     if "ca_graph_ms" in ca:
         per_step = 2 * ca["blocks"] * (ca["ca_projecting_ms"] - ca["ca_graph_ms"]) / 1000
         print(f"    cross-attention, block 0, one batch-1 call: graph with host K/V {ca['ca_graph_ms']:.1f} ms vs graph that "
@@ -208,9 +265,6 @@ def _print_machine_rows(results: dict) -> None:
               f"({ca['blocks']} blocks x cond+uncond) saved for {ca['prepare_kv_s']:.2f} s once per prompt (prepare_kv, cond+uncond)")
     elif "error" in ca:
         print(f"    cross-attention comparison failed: {ca['error'][:100]}")
-    if "lifecycle_hidden" in onnx:
-        print(f"    onnx split: inference {onnx['inference']:.1f} s, load+init+release {onnx['lifecycle']:.1f} s of which "
-              f"{onnx['lifecycle_hidden']:.1f} s hidden by prefetch; at most {onnx['peak_contexts']} contexts")
 
 
 def _peak_rss_gib() -> float:
@@ -219,24 +273,62 @@ def _peak_rss_gib() -> float:
     return process_memory()["peak_rss"] / GIB
 
 
-def _variant_onnx(models, graphs, width, height) -> dict:
+def _progress(info, record) -> None:
+    print(f"      step {info.index0 + 1}/{info.total}: {record['seconds']:.1f} s, RSS peak so far {_peak_rss_gib():.2f} GiB",
+          file=sys.stderr, flush=True)
+
+
+def _step_summary(seconds: list[float], host: list[float]) -> dict:
+    later = seconds[1:] or seconds
+    steady_host = host[1:] or host
+    step, host_step = median(later), median(steady_host)
+    return {"steps": len(seconds), "step_seconds": step, "first_step_seconds": seconds[0], "host_seconds": host_step,
+            "branch_seconds": step - host_step}
+
+
+def _variant_onnx(models, graphs, width, height, steps, mem_floor_gib) -> dict:
     cfg, weights = load_host_weights(ModelPaths.find(models).dit)
     x, kv, rope = conditioning(cfg, weights, width, height)
-    with open_runtime("onnx", graphs, prefetch=True, max_contexts=2) as runtime:
-        step = cfg_step_runner(weights, runtime, kv, rope)
-        started = time.perf_counter()
-        step(x, 0.9, 0.85)
-        seconds = time.perf_counter() - started
-        t = runtime.timings
-        peak = runtime.peak_open_contexts
-    return {"step_seconds": seconds, "host_seconds": t["host"], "branch_seconds": seconds - t["host"], "inference": t["inference"],
-            "lifecycle": t["lifecycle"], "lifecycle_hidden": t["lifecycle_hidden"], "peak_contexts": peak,
+    with open_runtime("onnx", graphs, prefetch=True, max_contexts=2, mem_floor_gib=mem_floor_gib) as runtime:
+        records = timed_steps(runtime, weights, x, kv, rope, steps, _progress)
+        resident, total = len(runtime.backend.resident), len(runtime.manifest.graphs)
+    later = records[1:]
+    return {**_step_summary([r["seconds"] for r in records], [r["host"] for r in records]),
+            "inference": median([r["inference"] for r in later or records]), "resident": resident, "graphs": total,
+            "init_first_step": records[0]["init"], "init_later_steps": sum(r["init"] for r in later),
             "peak_rss_gib": _peak_rss_gib()}
 
 
-def _variant_cross_attention(models, graphs, width, height) -> dict:
+def _variant_torch(models, graphs, width, height, steps, mem_floor_gib) -> dict:
+    from anima_ui.model.reference import TorchBranches  # torch: see the note on imports at the top
+
+    cfg, weights = load_dit(_dit_path(models))
+    x, kv, rope = conditioning(cfg, weights, width, height)
+    branches = TorchBranches(weights, cfg)
+    branch_seconds = [0.0]
+
+    def timed(block, kind, inputs):
+        started = time.perf_counter()
+        out = branches(block, kind, inputs)
+        branch_seconds[0] += time.perf_counter() - started
+        return out
+
+    seconds, host = [], []
+    started = time.perf_counter()
+    for info in cfg_steps(lambda xs, sigmas: dit_forward(weights, timed, xs, sigmas, kv, rope), x, steps):
+        seconds.append(time.perf_counter() - started)
+        _progress(info, {"seconds": seconds[-1]})
+        host.append(seconds[-1] - branch_seconds[0])
+        branch_seconds[0], started = 0.0, time.perf_counter()
+    return {**_step_summary(seconds, host), "peak_rss_gib": _peak_rss_gib()}
+
+
+def _variant_cross_attention(models, graphs, width, height, steps, mem_floor_gib) -> dict:
     """Block 0's cross-attention as exported (k, v inputs) vs a graph that also projects the context."""
     import onnxruntime  # see the note on imports at the top
+    import torch
+
+    from anima_ui.model.branches import CrossAttentionBranch
 
     cfg, host = load_host_weights(_dit_path(models))
     rng = np.random.default_rng(0)
@@ -295,28 +387,9 @@ def _median_ms(fn, repeats=5) -> float:
     return median(times)
 
 
-def _variant_torch(models, graphs, width, height) -> dict:
-    cfg, weights = load_dit(_dit_path(models))
-    x, kv, rope = conditioning(cfg, weights, width, height)
-    branches = TorchBranches(weights, cfg)
-    branch_seconds = [0.0]
-
-    def timed(block, kind, inputs):
-        started = time.perf_counter()
-        out = branches(block, kind, inputs)
-        branch_seconds[0] += time.perf_counter() - started
-        return out
-
-    step = cfg_step_runner(weights, timed, kv, rope)
-    started = time.perf_counter()
-    step(x, 0.9, 0.85)
-    seconds = time.perf_counter() - started
-    return {"step_seconds": seconds, "host_seconds": seconds - branch_seconds[0], "branch_seconds": branch_seconds[0],
-            "peak_rss_gib": _peak_rss_gib()}
-
-
-def _variant_diffusers(models, graphs, width, height) -> dict:
-    from diffusers import CosmosTransformer3DModel  # see the note on imports at the top
+def _variant_diffusers(models, graphs, width, height, steps, mem_floor_gib) -> dict:
+    import torch  # see the note on imports at the top
+    from diffusers import CosmosTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_cosmos_transformer_checkpoint_to_diffusers
 
     cfg, weights = load_dit(_dit_path(models))
@@ -338,7 +411,8 @@ def _variant_diffusers(models, graphs, width, height) -> dict:
     with torch.inference_mode():
         model(hidden_states=torch.cat([latent, torch.zeros_like(latent[:, :1])], dim=1), timestep=torch.full((2,), 0.9),
               encoder_hidden_states=context, return_dict=False)
-    return {"step_seconds": time.perf_counter() - started, "peak_rss_gib": _peak_rss_gib()}
+    seconds = time.perf_counter() - started
+    return {"steps": 1, "step_seconds": seconds, "first_step_seconds": seconds, "peak_rss_gib": _peak_rss_gib()}
 
 
 VARIANTS = {"onnx": _variant_onnx, "torch": _variant_torch, "diffusers": _variant_diffusers, "cross_attention": _variant_cross_attention}
@@ -348,64 +422,46 @@ VARIANTS = {"onnx": _variant_onnx, "torch": _variant_torch, "diffusers": _varian
 def board_table(args) -> int:
     if not args.models:
         raise UserError("--board needs --models DIR (the folder with rknn/WxH from `anima-ui convert-rknn`)")
+    steps = args.steps or 3
+    plan = runtime_plan(args)
     paths = ModelPaths.find(args.models)
-    graphs = paths.rknn_dir(args.width, args.height) if args.backend == "rknn" else paths.exported_dir(args.width, args.height)
+    folder = paths.rknn_dir if args.backend == "rknn" else paths.exported_dir
+    graphs = [folder(args.width, args.height, batch) for batch in sorted(plan.graph_batches())]
     cfg, weights = load_host_weights(paths.dit)
-    x, kv, _ = conditioning(cfg, weights, args.width, args.height)
-    rope = prepare_rope(cfg, args.height // 8, args.width // 8)
-    sigmas = simple_sigmas(args.steps)
-    print(f"(c) {args.backend} backend, {args.width}x{args.height}, {args.steps} CFG steps, graphs in {graphs}")
-    for prefetch in (False, True):
-        runtime = open_runtime(args.backend, graphs, prefetch=prefetch, time_scale=args.time_scale)
-        per_kind = _phase_recorder(runtime)
-        swap_start = swap_used(read_meminfo())
-        step = cfg_step_runner(weights, runtime, kv, rope)
-        seconds, low_available, peak_pss = [], float("inf"), 0
-        for i in range(args.steps):
-            started = time.perf_counter()
-            x = step(x, sigmas[i], sigmas[i + 1])
-            seconds.append(time.perf_counter() - started)
-            info = read_meminfo()
-            low_available = min(low_available, info["MemAvailable"])
-            peak_pss = max(peak_pss, process_memory()["pss"])
-        t = runtime.timings
-        runtime.close()
-        print(f"\n{'prefetch K=2' if prefetch else 'serial'}: {median(seconds):.2f} s/step median over {args.steps} steps; "
-              f"per step: NPU {t['inference'] / args.steps:.2f} s, host {t['host'] / args.steps:.2f} s, "
-              f"lifecycle {t['lifecycle'] / args.steps:.2f} s (exposed {t['lifecycle_exposed'] / args.steps:.2f} s)")
-        print(f"{'branch':<11} {'models':>6} {'load s':>8} {'init s':>8} {'inference s':>12} {'release s':>10}   (means per model)")
-        for kind in BRANCH_KINDS:
-            p = per_kind[kind]
-            n = max(p["models"], 1)
-            print(f"{kind:<11} {p['models']:>6} {p['load'] / n:8.4f} {p['init'] / n:8.4f} {p['inference'] / n:12.4f} {p['release'] / n:10.4f}")
-        print(f"lowest MemAvailable {low_available / GIB:.2f} GiB, peak process PSS {peak_pss / MIB:.0f} MiB, "
-              f"swap growth {(swap_used(read_meminfo()) - swap_start) / MIB:.1f} MiB, gate: {runtime.gate_status.message}")
+    x, kv, rope = conditioning(cfg, weights, args.width, args.height)
+    print(f"(c) {args.backend} backend, {args.width}x{args.height}, {steps} CFG steps, {plan.describe()}, graphs in "
+          f"{', '.join(map(str, graphs))}", flush=True)
+    swap_in_start = read_vmstat().get("pswpin", 0)
+    low_available, peak_pss = [float("inf")], [0]
+
+    def on_step(info, record):
+        available, pss = read_meminfo()["MemAvailable"], process_memory()["pss"]
+        low_available[0], peak_pss[0] = min(low_available[0], available), max(peak_pss[0], pss)
+        print(f"step {info.index0 + 1}/{steps}: {record['seconds']:.2f} s (NPU {record['inference']:.2f} s, host {record['host']:.2f} s, "
+              f"lifecycle {record['lifecycle']:.2f} s of which exposed {record['lifecycle_exposed']:.2f} s); "
+              f"MemAvailable {available / GIB:.2f} GiB, PSS {pss / MIB:.0f} MiB", flush=True)
+
+    with open_runtime(args.backend, graphs, plan, **open_options(args)) as runtime:
+        records = timed_steps(runtime, weights, x, kv, rope, steps, on_step)
+        gate = runtime.gate_status
+    t = runtime.timings
+    seconds = [r["seconds"] for r in records]
+    print(f"\n{median(seconds[1:] or seconds):.2f} s/step (median of the steps after the first); per step: NPU {t['inference'] / steps:.2f} s, "
+          f"host {t['host'] / steps:.2f} s, lifecycle {t['lifecycle'] / steps:.2f} s (exposed {t['lifecycle_exposed'] / steps:.2f} s)")
+    print(f"{'branch':<11} {'models':>6} {'load s':>8} {'init s':>8} {'inference s':>12} {'release s':>10} {'visit s':>8}   "
+          "(means per model opened; inference per call; visit: wall per visit)")
+    for kind in BRANCH_KINDS:
+        p = t["per_kind"][kind]
+        n, calls, visits = max(p["inits"], 1), max(p["calls"], 1), max(p["visits"], 1)
+        print(f"{kind:<11} {int(p['inits']):>6} {p['load'] / n:8.4f} {p['init'] / n:8.4f} {p['inference'] / calls:12.4f} "
+              f"{p['release'] / n:10.4f} {p['wall'] / visits:8.4f}")
+    swapped_in = (read_vmstat().get("pswpin", 0) - swap_in_start) * PAGE / MIB
+    print(f"lowest MemAvailable {low_available[0] / GIB:.2f} GiB, peak process PSS {peak_pss[0] / MIB:.0f} MiB, "
+          f"swapped in during the run {swapped_in:.1f} MiB, gate: {gate.message}" + (f"; {gate.warning}" if gate.warning else ""))
     return 0
 
 
-def _phase_recorder(runtime) -> dict:
-    """Wrap the runtime's backend so each phase's seconds are also summed per branch kind."""
-    per_kind = {kind: {"models": 0, "load": 0.0, "init": 0.0, "inference": 0.0, "release": 0.0} for kind in BRANCH_KINDS}
-    lock = threading.Lock()
-    backend = runtime.backend
-    for phase in ("load", "init", "run", "release"):
-        original = getattr(backend, phase)
-
-        def timed(*a, _original=original, _phase=phase):
-            entry = a[1]
-            started = time.perf_counter()
-            result = _original(*a)
-            del a  # a released context must be freed inside the measured time
-            with lock:
-                per_kind[entry.kind]["inference" if _phase == "run" else _phase] += time.perf_counter() - started
-                per_kind[entry.kind]["models"] += _phase == "init"
-            return result
-
-        setattr(backend, phase, timed)
-    return per_kind
-
-
 if __name__ == "__main__":
-    # python -m anima_ui.bench.runtime VARIANT MODELS GRAPHS WIDTH HEIGHT: one (b) variant; JSON on the last line
-    variant, models, graphs, width, height = sys.argv[1:6]
-    print(json.dumps(VARIANTS[variant](models, graphs, int(width), int(height))))
+    # python -m anima_ui.bench.runtime VARIANT MODELS GRAPHS WIDTH HEIGHT STEPS MEM_FLOOR_GIB: one (b) variant; JSON on the last line
+    variant, models, graphs, width, height, steps, floor = sys.argv[1:8]
+    print(json.dumps(VARIANTS[variant](models, graphs, int(width), int(height), int(steps), float(floor))))
