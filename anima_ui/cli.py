@@ -16,6 +16,7 @@ COMMANDS = {
     "export": ("export", "export the 84 DiT branch graphs to ONNX for one resolution"),
     "convert-rknn": ("convert_rknn", "convert exported ONNX graphs to RKNN (needs .venv-rknn)"),
     "verify": ("verify", "compare the split runtime with the reference forward"),
+    "tune": ("tune", "measure the fastest correct way to run the branch graphs here; write the profile generate/serve use"),
     "bench": ("bench", "benchmarks that print tables: runtime, spectrum, vae"),
     "spectrum-plan": ("spectrum_plan", "print which steps Spectrum computes and which it forecasts"),
     "serve": ("serve", "start the Gradio app"),

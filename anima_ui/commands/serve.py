@@ -45,6 +45,11 @@ def run(args) -> int:
         demo=args.demo,
         pipeline_options=pipeline_options(args),
     )
+    if args.backend != "torch" and not args.no_tune_profile:
+        from anima_ui.runtime.profile import find_profiles
+
+        for profile in find_profiles(models, args.backend):
+            print(f"using the tune profile for {profile.summary()}")
     app = App(config)
     if app.missing:
         print(f"model not ready: {app.missing} (the page offers the download)")

@@ -7,6 +7,7 @@ import segno
 
 from anima_ui import checkup
 from anima_ui.runtime.memory import GIB, process_memory, read_meminfo, swap_used
+from anima_ui.runtime.profile import find_profiles
 
 
 def lan_address() -> str:
@@ -47,12 +48,30 @@ def status_markdown(manager, backend: str, models_dir=None) -> str:
         f"**This process** RSS {proc['rss'] / GIB:.2f} GiB · PSS {proc['pss'] / GIB:.2f} GiB",
         f"**Jobs in line** {len(manager.line())}",
     ]
+    lines += runtime_lines(pipeline, backend, models_dir)
     if models_dir is not None:
         lines += checkup.panel_lines(models_dir)  # the NPU stack, as `anima-ui doctor --quick` sees it
     gate = gate_warning(runtime)
     if gate:
         lines.append(f"⚠️ **Memory gate:** {gate}")
+    swap = swap_warning(runtime)
+    if swap:
+        lines.append(f"⚠️ **Swap:** {swap}")
     return "\n\n".join(lines)
+
+
+def runtime_lines(pipeline, backend: str, models_dir) -> list[str]:
+    """How the branch graphs run: the current (or last) generation's plan and why; before any, the tune profiles
+    `anima-ui tune` left for this backend."""
+    choice = pipeline.choice if pipeline is not None else None
+    if choice is not None:
+        return [f"**Runtime** {choice.summary()}"]
+    if backend == "torch" or models_dir is None:
+        return []
+    profiles = find_profiles(models_dir, backend)
+    if not profiles:
+        return ["**Tune profile** none: `anima-ui tune` measures the fastest way to run the graphs here"]
+    return [f"**Tune profile** {profile.summary()}" for profile in profiles]
 
 
 def gate_warning(runtime) -> str | None:
@@ -62,3 +81,9 @@ def gate_warning(runtime) -> str | None:
     if status is None or status.ok:
         return None
     return status.message
+
+
+def swap_warning(runtime) -> str | None:
+    """Swap that grew since the run opened without being swapped back in: shown, never a reason to refuse."""
+    status = runtime.gate_status if runtime is not None else None
+    return getattr(status, "warning", None)

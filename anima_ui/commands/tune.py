@@ -1,0 +1,268 @@
+"""`anima-ui tune --models DIR [--width W --height H] [--backend rknn|sim|onnx]`: find, on this machine (on the
+board: its NPU), the variant that runs each branch kind fastest while matching the serial result, and the faster
+correct final decoder at this size; write them as the profile `tune.json` in the graphs folder, which `serve` and
+`generate` then use (unless `--no-tune-profile`).
+
+Branches: every variant runs a sample of blocks a few times (anima_ui/runtime/tune.py); one that fails or
+disagrees with serial is dropped, saying why. Batch-2 variants need batch-2 graphs: the full set is used when it is
+there (MODELS/exported|rknn/WxH-b2); otherwise the sample's blocks alone are exported at batch 2 (and converted, for
+rknn) into a temporary folder next to the graphs, measured, and deleted. The profile then says which graph set
+its choice needs and the commands that make it.
+
+Decoders: every final decoder decodes the same latent at this size; one that is unavailable, fails, gives a wrong
+size, a flat image or an image that disagrees with the first working one (PSNR under 40 dB) is dropped. The
+faster correct one is recorded; sd.cpp stays the default when there is no profile."""
+
+import importlib.metadata
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from anima_ui.commands.pipeline_flags import add_runtime_arguments, open_options, runtime_options
+from anima_ui.errors import UserError
+from anima_ui.metrics import psnr
+from anima_ui.model.config import BRANCH_KINDS
+from anima_ui.runtime import tune
+from anima_ui.runtime.manifest import Manifest
+from anima_ui.runtime.profile import write_profile
+from anima_ui.runtime.variants import VARIANTS
+from anima_ui.vae.decode import DECODERS, decode_latent
+
+DECODER_MIN_PSNR = 40.0  # sd.cpp tiled and the own tiled decoder agree to >= 45 dB (same tile plan and blending)
+
+
+def add_arguments(parser):
+    parser.add_argument("--models", required=True, help="model folder in the official layout")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--backend", choices=("rknn", "sim", "onnx"), default="rknn", help="rknn on the board; sim or onnx anywhere")
+    parser.add_argument("--blocks", type=int, default=4,
+                        help="sample: the first N blocks (each variant runs their 3N graphs; more than K, or a kind's "
+                             "graphs would all stay open and its lifecycle would not show)")
+    parser.add_argument("--rounds", type=int, default=3, help="times each variant runs the sample (the first is not timed)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of the variants to try (serial always runs)")
+    parser.add_argument("--no-decoders", action="store_true", help="do not time the final decoders")
+    add_runtime_arguments(parser, profile=False, variants=False)
+
+
+def run(args) -> int:
+    from anima_ui.modelfiles import ModelPaths
+
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise UserError(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.rounds < 1:
+        raise UserError(f"--rounds {args.rounds}: give 1 or more")
+    progress = lambda line: print(line, file=sys.stderr, flush=True)
+    paths = ModelPaths.find(args.models)
+    graphs = {1: _graphs(paths, args, 1, progress)}
+    blocks = min(args.blocks, len({g.block for g in Manifest.read(graphs[1]).graphs}))
+    options = runtime_options(args)
+    plan_options = {"contexts": options["contexts"] or 2, "core_mask": options["core_mask"],
+                    "wait_for_inference": options["wait_for_inference"]}
+    full_batch2 = _folder(paths, args, 2)
+    sample_dir, batch2_source = None, None
+    if any(VARIANTS[v].graph_batch == 2 for v in variants):
+        if (full_batch2 / "manifest.json").is_file():
+            graphs[2], batch2_source = full_batch2, f"the full batch-2 set in {full_batch2}"
+        else:
+            sample_dir = Path(tempfile.mkdtemp(prefix=".tune-batch2-", dir=graphs[1].parent))
+            try:
+                graphs[2], batch2_source = build_batch2_sample(paths, args, blocks, sample_dir, progress)
+            except Exception as exc:  # the batch-2 variants are dropped for this reason, the others still measured
+                batch2_source = f"not built: {type(exc).__name__}: {exc}"
+                progress(f"batch-2 graphs for the sample could not be built ({exc}); the batch-2 variants are dropped")
+    twins = onnx_twins(variants) if args.backend == "onnx" else {}
+    try:
+        make_backend = lambda: args.backend
+        progress(f"tuning the {args.backend} backend on blocks 0..{blocks - 1} at {args.width}x{args.height}, {args.rounds} rounds per variant")
+        reference, outcomes = tune.measure(make_backend, graphs, [v for v in variants if v not in twins], blocks, args.rounds,
+                                           options=open_options(args), progress=progress, **plan_options)
+        choice, check = choose_and_check(make_backend, graphs, outcomes, blocks, args.rounds, reference, plan_options, open_options(args))
+    finally:
+        if sample_dir is not None:
+            shutil.rmtree(sample_dir, ignore_errors=True)
+    for name, twin in twins.items():
+        outcomes[name] = tune.Outcome(name, dropped=f"the same as {twin} on the onnx backend (core masks are the NPU's)")
+    for outcome in outcomes.values():
+        if outcome.variant != "serial" and VARIANTS[outcome.variant].graph_batch == 2 and outcome.dropped == "no batch-2 graphs":
+            outcome.dropped = f"no batch-2 graphs ({batch2_source})"
+    decoders = time_decoders(paths.vae, args.width, args.height, progress) if not args.no_decoders else None
+    data = profile_data(args, blocks, plan_options, choice, check, outcomes, graphs, full_batch2, batch2_source, decoders)
+    path = write_profile(graphs[1], data)
+    print_report(data, path)
+    return 0
+
+
+def onnx_twins(variants: list[str]) -> dict[str, str]:
+    """On onnxruntime a variant is its graph set, chains and prefetch; core masks do nothing. Each variant that only
+    differs from an earlier one by its cores -> that one (it is not measured: it would differ by noise alone)."""
+    twins, seen = {}, {}
+    for name in ["serial", *variants]:
+        v = VARIANTS[name]
+        key = (v.graph_batch, v.chains, v.prefetch)
+        if key in seen and seen[key] != name:
+            twins[name] = seen[key]
+        seen.setdefault(key, name)
+    return twins
+
+
+def _folder(paths, args, batch: int) -> Path:
+    return paths.rknn_dir(args.width, args.height, batch) if args.backend == "rknn" else paths.exported_dir(args.width, args.height, batch)
+
+
+def _graphs(paths, args, batch: int, progress) -> Path:
+    """The batch-1 graphs the backend runs; ONNX graphs are exported on first use (as generate does)."""
+    folder = _folder(paths, args, batch)
+    if (folder / "manifest.json").is_file():
+        return folder
+    if args.backend == "rknn":
+        raise UserError(f"no RKNN graphs in {folder}: run `anima-ui export` and `anima-ui convert-rknn` for "
+                        f"{args.width}x{args.height} first")
+    from anima_ui.convert.export import export_graphs
+    from anima_ui.model.checkpoint import load_dit
+
+    progress(f"exporting the ONNX graphs for {args.width}x{args.height} into {folder} ...")
+    config, weights = load_dit(paths.dit)
+    export_graphs(paths, config, weights, args.width, args.height, folder)
+    return folder
+
+
+def build_batch2_sample(paths, args, blocks: int, out: Path, progress) -> tuple[Path, str]:
+    """Export the sample's blocks at batch 2 into `out` (only their tensors are read), and convert them for rknn:
+    (the folder the backend runs, how it was made)."""
+    from dataclasses import replace
+
+    from anima_ui.convert.export import export_graphs
+    from anima_ui.model.checkpoint import load_dit
+
+    started = time.perf_counter()
+    prefixes = tuple(f"blocks.{b}." for b in range(blocks))
+    config, weights = load_dit(paths.dit, keep=lambda key: key.startswith(prefixes))
+    progress(f"exporting batch-2 graphs of blocks 0..{blocks - 1} for the sample ...")
+    export_graphs(paths, replace(config, num_blocks=blocks), weights, args.width, args.height, out / "onnx", batch=2)
+    how = f"the sample's {3 * blocks} graphs exported at batch 2 by `anima-ui export`'s exporter"
+    folder = out / "onnx"
+    if args.backend == "rknn":
+        from anima_ui.convert.convert_rknn import convert_rknn
+
+        folder = out / "rknn"
+        convert_rknn(out / "onnx", folder, progress=progress)
+        how += " and converted by `anima-ui convert-rknn`'s converter"
+    return folder, how + f" ({time.perf_counter() - started:.0f} s), then deleted"
+
+
+def choose_and_check(make_backend, graphs, outcomes, blocks, rounds, reference, plan_options, options):
+    """Each kind's fastest kept variant, run once more as a mix and checked; if the mix disagreed (it should not:
+    every part agreed alone), the fastest kept variant over all kinds together."""
+    choice = tune.choose(outcomes)
+    check = tune.check_choice(make_backend, graphs, choice, blocks, rounds, reference, options=options, **plan_options)
+    if check.dropped:
+        kept = [o for o in outcomes.values() if o.dropped is None]
+        best = min(kept, key=lambda o: sum(o.median(kind) for kind in BRANCH_KINDS))
+        choice = dict.fromkeys(BRANCH_KINDS, best.variant)
+    return choice, check
+
+
+def time_decoders(vae_path, width: int, height: int, progress) -> dict:
+    latent = np.random.default_rng(0).standard_normal((1, 16, height // 8, width // 8)).astype(np.float32)
+    measured, reference = {}, None
+    for name in DECODERS:
+        try:
+            started = time.perf_counter()
+            image, used, warning = decode_latent(latent, vae_path, prefer=name)
+            seconds = time.perf_counter() - started
+            pixels = np.asarray(image, np.float64) / 255.0
+            if used != name:
+                raise RuntimeError(f"unavailable ({warning})")
+            if pixels.shape != (height, width, 3) or not pixels.std() > 0:
+                raise RuntimeError(f"gave a {pixels.shape} image with spread {pixels.std():.3g}")
+            entry = {"seconds": round(seconds, 3)}
+            if reference is None:
+                reference = (name, pixels)
+            else:
+                entry[f"psnr_vs_{reference[0]}"] = round(psnr(pixels, reference[1]), 2)
+                if entry[f"psnr_vs_{reference[0]}"] < DECODER_MIN_PSNR:
+                    raise RuntimeError(f"disagrees with {reference[0]}: PSNR {entry[f'psnr_vs_{reference[0]}']} dB < {DECODER_MIN_PSNR}")
+            measured[name] = entry
+        except Exception as exc:
+            measured[name] = {"dropped": f"{type(exc).__name__}: {exc}"}
+        progress(f"decoder {name}: {measured[name]}")
+    kept = {name: m for name, m in measured.items() if "seconds" in m}
+    return {"chosen": min(kept, key=lambda name: kept[name]["seconds"]) if kept else None, "measured": measured,
+            "size": f"{width}x{height}"}
+
+
+def profile_data(args, blocks, plan_options, choice, check, outcomes, graphs, full_batch2, batch2_source, decoders) -> dict:
+    needs = sorted({VARIANTS[name].graph_batch for name in choice.values()})
+    needs_batch2 = 2 in needs and not (full_batch2 / "manifest.json").is_file()
+    make = None
+    if needs_batch2:
+        make = f"anima-ui export --models {args.models} --width {args.width} --height {args.height} --batch 2"
+        if args.backend == "rknn":
+            make += (f" && anima-ui convert-rknn --onnx {Path(args.models) / 'exported' / f'{args.width}x{args.height}-b2'} "
+                     f"--out {full_batch2}")
+    measured = {kind: {name: ({"dropped": o.dropped} if o.dropped else {"median_seconds": round(o.median(kind), 6)})
+                       for name, o in outcomes.items()} for kind in BRANCH_KINDS}
+    return {
+        "backend": args.backend,
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "width": args.width,
+        "height": args.height,
+        "sample_blocks": blocks,
+        "rounds": args.rounds,
+        **plan_options,
+        **({"time_scale": args.time_scale, "contention": args.contention} if args.backend == "sim" else {}),
+        "choice": choice,
+        "chosen_mix": {"dropped": check.dropped} if check.dropped else {kind: round(check.median(kind), 6) for kind in BRANCH_KINDS},
+        "measured": measured,
+        "graph_sets": {str(batch): str(_folder_for(graphs, batch, full_batch2)) for batch in needs},
+        "batch2_sample": batch2_source,
+        "needs": make,
+        "decoder": decoders,
+        "versions": _versions(args, graphs[1]),
+        "seconds_are": "wall seconds per branch visit on this machine" + (f" (sim: board seconds x {args.time_scale:g})" if args.backend == "sim" else ""),
+    }
+
+
+def _folder_for(graphs, batch, full_batch2):
+    return graphs[1] if batch == 1 else full_batch2
+
+
+def _versions(args, folder) -> dict:
+    versions = {}
+    for name in ("anima-ui", "onnxruntime", "rknn-toolkit-lite2", "numpy"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    versions["graphs"] = Manifest.read(folder).tools
+    return versions
+
+
+def print_report(data: dict, path: Path) -> None:
+    print(f"{'variant':<14} " + " ".join(f"{kind + ' s/visit':>20}" for kind in BRANCH_KINDS))
+    names = list(next(iter(data["measured"].values())))
+    for name in names:
+        cells = [data["measured"][kind][name] for kind in BRANCH_KINDS]
+        if "dropped" in cells[0]:
+            print(f"{name:<14} dropped: {cells[0]['dropped']}")
+        else:
+            print(f"{name:<14} " + " ".join(f"{c['median_seconds']:20.4f}" for c in cells))
+    print("chosen: " + ", ".join(f"{kind} {data['choice'][kind]}" for kind in BRANCH_KINDS)
+          + (f"; the chosen mix: " + ("dropped, " + data["chosen_mix"]["dropped"] if "dropped" in data["chosen_mix"] else
+                                      " ".join(f"{kind} {s:.4f} s" for kind, s in data["chosen_mix"].items()))))
+    if data["needs"]:
+        later = ("until then generate runs the fastest variant measured with the graphs present" if data["backend"] == "rknn"
+                 else "generate exports them on first use")
+        print(f"the choice needs batch-2 graphs for the whole model: {data['needs']} ({later})")
+    if data["decoder"]:
+        print(f"final decoder at {data['decoder']['size']}: {data['decoder']['chosen']} "
+              + "; ".join(f"{n} {m.get('seconds', m.get('dropped'))}" for n, m in data["decoder"]["measured"].items()))
+    print(f"wrote {path}")

@@ -1,0 +1,150 @@
+"""Which variant runs each branch kind fastest here, measured on a sample of blocks and checked against serial.
+
+For every variant, the sample's cycle (block 0 self-attention, cross-attention, FFN, block 1 ...) runs `rounds`
+times with the same batch-2 inputs (cond and uncond) under that variant on every kind; each kind's time is the
+wall time the caller spent in its visits, per visit (waiting for contexts, inference, both chains), the median over
+the rounds after the first (the first opens every context cold). A variant is dropped, with the reason, when it
+raises, or when any of its outputs has NaN/Inf, a cosine under MIN_COSINE or a norm off by more than
+MAX_NORM_RATIO_ERROR against the serial output of the same visit. Each kind then takes its fastest kept variant; the mix runs once more, checked the same way."""
+
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from anima_ui.errors import Cancelled, UserError
+from anima_ui.model.config import BRANCH_KINDS
+from anima_ui.runtime.executor import open_runtime, read_graph_sets
+from anima_ui.runtime.manifest import Manifest
+from anima_ui.runtime.variants import VARIANTS, Plan
+
+MIN_COSINE = 0.99999
+MAX_NORM_RATIO_ERROR = 1e-3  # cosine cannot see a wrong scale; FP16 graphs keep the norm far closer than this
+
+
+@dataclass
+class Outcome:
+    variant: str
+    seconds: dict[str, list[float]] = field(default_factory=dict)  # kind -> wall seconds per visit, per round
+    dropped: str | None = None
+
+    def median(self, kind: str) -> float:
+        rounds = self.seconds[kind]
+        return statistics.median(rounds[1:] or rounds)
+
+
+def sample_inputs(manifest: Manifest, seed: int = 0) -> dict[tuple[int, str], dict]:
+    """Batch-2 inputs at the scale the graphs see: AdaLN outputs and k/v about unit RMS, RoPE as cos/sin of real
+    rotations (the two halves of a head share an angle)."""
+    rng = np.random.default_rng(seed)
+    inputs = {}
+    for block, kind in manifest.cycle():
+        arrays = {}
+        for spec in manifest.graph(block, kind).inputs:
+            shape = (2, *spec.shape[1:]) if spec.batched else spec.shape
+            if spec.name in ("rope_cos", "rope_sin"):
+                angles = rng.uniform(0, 2 * np.pi, (shape[0], shape[1] // 2))
+                angles = np.concatenate([angles, angles], axis=1)
+                arrays[spec.name] = (np.cos(angles) if spec.name == "rope_cos" else np.sin(angles)).astype(np.float32)
+            else:
+                arrays[spec.name] = rng.standard_normal(shape).astype(np.float32)
+        inputs[(block, kind)] = arrays
+    return inputs
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300))
+
+
+def run_plan(make_backend, graphs, plan: Plan, blocks: int, rounds: int, inputs: dict, options: dict) -> tuple[dict, dict]:
+    """Run the sample's cycle `rounds` times: (outputs of the first round per visit, kind -> seconds per visit per round)."""
+    seconds = {kind: [] for kind in BRANCH_KINDS}
+    outputs = {}
+    with open_runtime(make_backend(), graphs, plan, blocks=blocks, **options) as runtime:
+        cycle = runtime.manifest.cycle()
+        for round_index in range(rounds):
+            before = runtime.timings["per_kind"]
+            for block, kind in cycle:
+                out = runtime(block, kind, inputs[(block, kind)])
+                if round_index == 0:
+                    outputs[(block, kind)] = out
+            after = runtime.timings["per_kind"]
+            for kind in BRANCH_KINDS:
+                visits = after[kind]["visits"] - before[kind]["visits"]
+                seconds[kind].append((after[kind]["wall"] - before[kind]["wall"]) / max(visits, 1))
+    return outputs, seconds
+
+
+def disagreement(outputs: dict, reference: dict) -> str | None:
+    for (block, kind), out in outputs.items():
+        if not np.all(np.isfinite(out)):
+            return f"NaN/Inf in block {block} {kind}"
+        expected = reference[(block, kind)]
+        c = cosine(out, expected)
+        if not c >= MIN_COSINE:
+            return f"disagrees with serial: cosine {c:.7f} < {MIN_COSINE} at block {block} {kind}"
+        ratio = float(np.linalg.norm(out) / np.linalg.norm(expected))
+        if not abs(ratio - 1) <= MAX_NORM_RATIO_ERROR:
+            return f"disagrees with serial: norm {ratio:.5f} x serial's at block {block} {kind}"
+    return None
+
+
+def measure(make_backend, graphs: dict, variants: list[str], blocks: int, rounds: int, contexts: int = 2,
+            core_mask: str = "auto", wait_for_inference: bool = False, options: dict | None = None, progress=None):
+    """Measure `variants` over the sample; returns (serial outcome, {variant: Outcome}). `graphs` maps graph batch
+    to folder; a variant whose graph set is missing is dropped saying so. `make_backend()` makes a fresh backend."""
+    options = options or {}
+    progress = progress or (lambda line: None)
+    sets = read_graph_sets(graphs, blocks)
+    inputs = sample_inputs(sets[1][1])
+    plan = lambda name: Plan.uniform(name, contexts=contexts, core_mask=core_mask, wait_for_inference=wait_for_inference)
+    try:
+        reference, serial_seconds = run_plan(make_backend, graphs, plan("serial"), blocks, rounds, inputs, options)
+    except Cancelled:
+        raise
+    except Exception as exc:
+        raise UserError(f"the serial variant failed on the sample ({type(exc).__name__}: {exc}); run `anima-ui verify` first") from exc
+    serial = Outcome("serial", serial_seconds)
+    outcomes = {"serial": serial}
+    progress(_line(serial))
+    for name in variants:
+        if name == "serial":
+            continue
+        outcome = Outcome(name)
+        if VARIANTS[name].graph_batch not in sets:
+            outcome.dropped = f"no batch-{VARIANTS[name].graph_batch} graphs"
+        else:
+            try:
+                outputs, outcome.seconds = run_plan(make_backend, graphs, plan(name), blocks, rounds, inputs, options)
+                outcome.dropped = disagreement(outputs, reference)
+            except Cancelled:
+                raise
+            except Exception as exc:
+                outcome.dropped = f"failed: {type(exc).__name__}: {exc}"
+        outcomes[name] = outcome
+        progress(_line(outcome))
+    return reference, outcomes
+
+
+def choose(outcomes: dict[str, "Outcome"]) -> dict[str, str]:
+    """Each kind's fastest variant among those kept."""
+    kept = [o for o in outcomes.values() if o.dropped is None]
+    return {kind: min(kept, key=lambda o: o.median(kind)).variant for kind in BRANCH_KINDS}
+
+
+def check_choice(make_backend, graphs: dict, choice: dict, blocks: int, rounds: int, reference: dict, contexts: int = 2,
+                 core_mask: str = "auto", wait_for_inference: bool = False, options: dict | None = None) -> Outcome:
+    """Run the chosen mix over the sample once more, checked against serial like every variant."""
+    outcome = Outcome("chosen")
+    plan = Plan(dict(choice), contexts=contexts, core_mask=core_mask, wait_for_inference=wait_for_inference)
+    sets = read_graph_sets(graphs, blocks)
+    outputs, outcome.seconds = run_plan(make_backend, graphs, plan, blocks, rounds, sample_inputs(sets[1][1]), options or {})
+    outcome.dropped = disagreement(outputs, reference)
+    return outcome
+
+
+def _line(outcome: Outcome) -> str:
+    if outcome.dropped:
+        return f"{outcome.variant:<14} dropped: {outcome.dropped}"
+    return f"{outcome.variant:<14} " + "  ".join(f"{kind} {outcome.median(kind):.4f} s" for kind in BRANCH_KINDS) + "  (per visit, median)"
