@@ -53,7 +53,6 @@ from anima_ui.sampling.spectrum import plan as spectrum_plan
 
 CFG_SCALE = 4.0
 SIM_COMPUTE_SIDE = 256  # (a): the size onnxruntime computes at; the simulated latencies are the board's at 512x512
-MACHINE_VARIANTS = ("onnx", "torch", "diffusers", "cross_attention")
 
 
 def add_arguments(parser):
@@ -67,7 +66,7 @@ def add_arguments(parser):
                                        "default: a temporary folder, deleted after")
     parser.add_argument("--graphs", help="(b): an exported full-size ONNX folder to reuse (default: export into --work)")
     parser.add_argument("--variants", default="onnx,torch,diffusers,cross_attention",
-                        help=f"(b): which of {', '.join(MACHINE_VARIANTS)} to run")
+                        help=f"(b): which of {', '.join(MACHINE_RUNS)} to run")
     parser.add_argument("--board", action="store_true", help="(c): run on an RK3588 with the rknn backend")
     parser.add_argument("--backend", default="rknn", help="(c): backend to measure (rknn on a board; sim to try it anywhere)")
     parser.add_argument("--width", type=int, default=512)
@@ -110,9 +109,9 @@ def timed_steps(runtime, weights, x, kv, rope, steps: int, on_step=None) -> list
         after, now = runtime.timings, time.perf_counter()
         record = {"seconds": now - started, **_diff(before, after)}
         records.append(record)
+        before, started = after, now  # what on_step takes is the next step's host time, and in its seconds
         if on_step:
             on_step(info, record)
-        before, started = runtime.timings, time.perf_counter()
     return records
 
 
@@ -196,9 +195,9 @@ def simulated_board_table(time_scale: float, steps: int, contexts: int) -> None:
 def machine_table(args) -> None:
     steps = args.steps or 1
     variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - set(MACHINE_VARIANTS)
+    unknown = set(variants) - set(MACHINE_RUNS)
     if unknown:
-        raise UserError(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MACHINE_VARIANTS)}")
+        raise UserError(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MACHINE_RUNS)}")
     available = read_meminfo()["MemAvailable"] / GIB
     print(f"\n(b) this machine, full-size random weights, {args.width}x{args.height}, {steps} CFG step(s) per variant (batch 2, CFG 4); "
           f"MemAvailable at start {available:.1f} GiB")
@@ -415,7 +414,7 @@ def _variant_diffusers(models, graphs, width, height, steps, mem_floor_gib) -> d
     return {"steps": 1, "step_seconds": seconds, "first_step_seconds": seconds, "peak_rss_gib": _peak_rss_gib()}
 
 
-VARIANTS = {"onnx": _variant_onnx, "torch": _variant_torch, "diffusers": _variant_diffusers, "cross_attention": _variant_cross_attention}
+MACHINE_RUNS = {"onnx": _variant_onnx, "torch": _variant_torch, "diffusers": _variant_diffusers, "cross_attention": _variant_cross_attention}
 
 
 # -- (c) on the board -----------------------------------------------------------------------------------------------
@@ -464,4 +463,4 @@ def board_table(args) -> int:
 if __name__ == "__main__":
     # python -m anima_ui.bench.runtime VARIANT MODELS GRAPHS WIDTH HEIGHT STEPS MEM_FLOOR_GIB: one (b) variant; JSON on the last line
     variant, models, graphs, width, height, steps, floor = sys.argv[1:8]
-    print(json.dumps(VARIANTS[variant](models, graphs, int(width), int(height), int(steps), float(floor))))
+    print(json.dumps(MACHINE_RUNS[variant](models, graphs, int(width), int(height), int(steps), float(floor))))
