@@ -23,6 +23,7 @@ from anima_ui.model.checkpoint import open_dit
 from anima_ui.model.config import BRANCH_INPUTS, BRANCH_KINDS, AnimaConfig
 from anima_ui.model.onnx_graph import OPSET, write_model
 from anima_ui.runtime.manifest import MANIFEST, GraphEntry, Manifest, TensorSpec, sha256_file
+from anima_ui.runtime.profile import PROFILE
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 
@@ -51,10 +52,11 @@ def graph_file(block: int, kind: str) -> str:
 
 
 def export_graphs(checkpoint, width: int, height: int, out_dir, dtype: str = "fp32", batch: int = 1,
-                  progress=None) -> Manifest:
+                  progress=None, blocks: int | None = None) -> Manifest:
     """Write the 84 graphs of the DiT in `checkpoint` (a safetensors path, or the ModelPaths holding it) for
     width x height into `out_dir`, keeping graphs a previous (possibly killed) run finished.
-    progress(done, total, file, seconds, reused) is called after each graph."""
+    progress(done, total, file, seconds, reused) is called after each graph. blocks: only the first N blocks'
+    graphs (a sample: `anima-ui tune` measures batch-2 variants on one without exporting the whole model)."""
     checkpoint = Path(getattr(checkpoint, "dit", checkpoint))
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose fp32 or fp16")
@@ -68,7 +70,7 @@ def export_graphs(checkpoint, width: int, height: int, out_dir, dtype: str = "fp
         source = {"file": checkpoint.name, "sha256": sha256_file(checkpoint)}
         tools = {"opset": OPSET, "graphs": GRAPHS_VERSION, **{name: _version(name) for name in ("anima-ui", "onnx")}}
         start_folder(out_dir)
-        order = [(block, kind) for block in range(cfg.num_blocks) for kind in BRANCH_KINDS]
+        order = [(block, kind) for block in range(min(blocks or cfg.num_blocks, cfg.num_blocks)) for kind in BRANCH_KINDS]
         graphs = []
         for done, (block, kind) in enumerate(order, 1):
             started = time.perf_counter()
@@ -134,7 +136,8 @@ def start_folder(folder: Path) -> None:
 
 def finish_folder(folder: Path, manifest: Manifest) -> None:
     """Drop files no graph of `manifest` owns (another size's or dtype's graphs), then write the manifest."""
-    keep = {MANIFEST} | {g.file for g in manifest.graphs} | {record_path(folder, g.file).name for g in manifest.graphs}
+    # the tune profile measured how the graphs run, not what they hold: it stays
+    keep = {MANIFEST, PROFILE} | {g.file for g in manifest.graphs} | {record_path(folder, g.file).name for g in manifest.graphs}
     for path in folder.iterdir():
         if path.is_file() and path.name not in keep and path.name != ".lock" and path.suffix in (".onnx", ".rknn", ".json"):
             path.unlink()

@@ -3,11 +3,11 @@ runs fastest with while matching the serial result, what every variant measured,
 decoder at that size. `serve` and `generate` read it unless told `--no-tune-profile`."""
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from anima_ui.errors import UserError
+from anima_ui.files import write_atomically
 from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.runtime.variants import VARIANTS, Plan
 
@@ -85,12 +85,8 @@ def find_profiles(models_dir, backend: str) -> list[Profile]:
 
 
 def write_profile(folder, data: dict) -> Path:
-    """Write atomically: a temp file beside it, renamed into place."""
+    """Atomically: a reader sees the old profile, none, or the whole new one."""
     path = Path(folder, PROFILE)
-    temp = path.with_name(f".{PROFILE}.{os.getpid()}.partial")
-    try:
-        temp.write_text(json.dumps({"format": FORMAT, **data}, indent=1) + "\n")
-        temp.replace(path)
-    finally:
-        temp.unlink(missing_ok=True)
+    text = json.dumps({"format": FORMAT, **data}, indent=1) + "\n"
+    write_atomically(path, lambda f: f.write(text.encode()))
     return path
