@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from anima_ui.cli import main
+from anima_ui.commands.tune import time_decoders
 from anima_ui.errors import Cancelled, UserError
 from anima_ui.metrics import psnr
 from anima_ui.runtime import board_latency
@@ -321,3 +322,23 @@ def test_generate_with_the_npu_decoder_on_the_simulated_board(tiny_model, tmp_pa
     assert VaeGraphs.read(graphs_folder(vae, "onnx", 64, 96)).width == 64  # built on first use, next to the VAE
     expected = OnnxDecoder(vae, threads=1).decode(np.load(tmp_path / "z.npy"))
     assert np.abs(np.asarray(image).astype(int) - expected).max() <= 1
+
+
+# ---------------------------------------------------------------- anima-ui tune's decoder timing
+
+def test_tune_times_the_npu_decoder_only_when_its_graphs_pass_the_gate(rknnlite_standin, folder, small_vae, tmp_path):
+    from anima_ui.commands.tune import time_decoders
+
+    vae = shutil.copy(small_vae, tmp_path / small_vae.name)
+    graphs_folder(vae, "rknn", SIZE, SIZE).parent.mkdir(parents=True)
+    rknn = _as_rknn_folder(folder, graphs_folder(vae, "rknn", SIZE, SIZE))
+    reference = _store_check(rknn, vae)
+    npu = {"backend": "rknn", "time_scale": 1.0, "core_mask": "auto"}
+    passed = time_decoders(vae, SIZE, SIZE, lambda line: None, npu)["measured"]
+    assert "width 16" in passed["sdcpp"]["dropped"]  # sd.cpp takes only the release VAE width
+    assert passed["onnx"]["seconds"] > 0
+    assert passed["npu"]["seconds"] > 0 and passed["npu"]["psnr_vs_onnx"] >= 40  # FP16-rounded by the stand-in
+    np.save(rknn / CHECK_IMAGE, np.clip(reference + 0.01, 0, 1))  # 40 dB off: the board's gate wants 50
+    failed = time_decoders(vae, SIZE, SIZE, lambda line: None, npu)
+    assert failed["measured"]["npu"]["dropped"].startswith("RuntimeError: failed its gate: untiled layout 4")
+    assert failed["chosen"] == "onnx"

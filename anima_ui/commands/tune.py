@@ -9,9 +9,12 @@ there (MODELS/exported|rknn/WxH-b2); otherwise the sample's blocks alone are exp
 rknn) into a temporary folder next to the graphs, measured, and deleted. The profile then says which graph set
 its choice needs and the commands that make it.
 
-Decoders: every final decoder decodes the same latent at this size; one that is unavailable, fails, gives a wrong
-size, a flat image or an image that disagrees with the first working one (PSNR under 40 dB) is dropped. The
-faster correct one is recorded; sd.cpp stays the default when there is no profile."""
+Decoders: every final decoder (sd.cpp tiled, the onnx decoder graphs, and the NPU decoder on this backend) decodes
+the same latent at this size; one that is unavailable, fails, gives a wrong size, a flat image or an image that
+disagrees with the first working one (PSNR under 40 dB) is dropped, and so is an NPU decoder whose converted graphs
+fail their gate (the stored check latent against the fp32 image, >= 50 dB). The faster correct one is recorded;
+sd.cpp stays the default when there is no profile. On the sim backend the NPU decoder's time is simulated board
+time, which this PC's decoders cannot be compared with: it is measured and shown, not chosen."""
 
 import importlib.metadata
 import shutil
@@ -24,14 +27,20 @@ from pathlib import Path
 import numpy as np
 
 from anima_ui.commands.pipeline_flags import add_runtime_arguments, open_options, runtime_options
+from anima_ui.convert.convert_rknn import convert_rknn
+from anima_ui.convert.export import export_graphs
+from anima_ui.convert.model_graphs import export_model_graphs
 from anima_ui.errors import UserError
 from anima_ui.metrics import psnr
 from anima_ui.model.config import BRANCH_KINDS
+from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime import tune
 from anima_ui.runtime.manifest import Manifest
 from anima_ui.runtime.profile import write_profile
 from anima_ui.runtime.variants import VARIANTS
 from anima_ui.vae.decode import DECODERS, decode_latent
+from anima_ui.vae.npu_decoder import DEFAULT_LAYOUT, check_npu_decoder, estimated_board_seconds, graphs_folder
+from anima_ui.vae.npu_graphs import VaeGraphs
 
 DECODER_MIN_PSNR = 40.0  # sd.cpp tiled and the own tiled decoder agree to >= 45 dB (same tile plan and blending)
 
@@ -51,8 +60,6 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from anima_ui.modelfiles import ModelPaths
-
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -93,7 +100,8 @@ def run(args) -> int:
     for outcome in outcomes.values():
         if outcome.variant != "serial" and VARIANTS[outcome.variant].graph_batch == 2 and outcome.dropped == "no batch-2 graphs":
             outcome.dropped = f"no batch-2 graphs ({batch2_source})"
-    decoders = time_decoders(paths.vae, args.width, args.height, progress) if not args.no_decoders else None
+    npu = {"backend": args.backend, "time_scale": args.time_scale, "core_mask": args.core_mask}
+    decoders = time_decoders(paths.vae, args.width, args.height, progress, npu) if not args.no_decoders else None
     data = profile_data(args, blocks, plan_options, choice, check, outcomes, graphs, full_batch2, batch2_source, decoders)
     path = write_profile(graphs[1], data)
     print_report(data, path)
@@ -123,37 +131,25 @@ def _graphs(paths, args, batch: int, progress) -> Path:
     if (folder / "manifest.json").is_file():
         return folder
     if args.backend == "rknn":
-        raise UserError(f"no RKNN graphs in {folder}: run `anima-ui export` and `anima-ui convert-rknn` for "
-                        f"{args.width}x{args.height} first")
-    from anima_ui.convert.export import export_graphs
-    from anima_ui.model.checkpoint import load_dit
-
+        raise UserError(f"no RKNN graphs in {folder}: run `anima-ui prepare --models {args.models} --width {args.width} "
+                        f"--height {args.height}` first")
     progress(f"exporting the ONNX graphs for {args.width}x{args.height} into {folder} ...")
-    config, weights = load_dit(paths.dit)
-    export_graphs(paths, config, weights, args.width, args.height, folder)
+    export_model_graphs(paths, args.width, args.height, folder)
     return folder
 
 
 def build_batch2_sample(paths, args, blocks: int, out: Path, progress) -> tuple[Path, str]:
     """Export the sample's blocks at batch 2 into `out` (only their tensors are read), and convert them for rknn:
     (the folder the backend runs, how it was made)."""
-    from dataclasses import replace
-
-    from anima_ui.convert.export import export_graphs
-    from anima_ui.model.checkpoint import load_dit
-
     started = time.perf_counter()
-    prefixes = tuple(f"blocks.{b}." for b in range(blocks))
-    config, weights = load_dit(paths.dit, keep=lambda key: key.startswith(prefixes))
     progress(f"exporting batch-2 graphs of blocks 0..{blocks - 1} for the sample ...")
-    export_graphs(paths, replace(config, num_blocks=blocks), weights, args.width, args.height, out / "onnx", batch=2)
+    export_graphs(paths, args.width, args.height, out / "onnx", batch=2, blocks=blocks)
     how = f"the sample's {3 * blocks} graphs exported at batch 2 by `anima-ui export`'s exporter"
     folder = out / "onnx"
     if args.backend == "rknn":
-        from anima_ui.convert.convert_rknn import convert_rknn
-
         folder = out / "rknn"
-        convert_rknn(out / "onnx", folder, progress=progress)
+        convert_rknn(out / "onnx", folder, progress=lambda done, total, file, seconds, reused, result:
+                     progress(f"converted {file} ({done}/{total}, {seconds:.0f} s)"))
         how += " and converted by `anima-ui convert-rknn`'s converter"
     return folder, how + f" ({time.perf_counter() - started:.0f} s), then deleted"
 
@@ -170,13 +166,17 @@ def choose_and_check(make_backend, graphs, outcomes, blocks, rounds, reference, 
     return choice, check
 
 
-def time_decoders(vae_path, width: int, height: int, progress) -> dict:
+def time_decoders(vae_path, width: int, height: int, progress, npu: dict) -> dict:
+    """Decode one latent with every final decoder: {"chosen": the fastest correct one or None, "measured": {name:
+    {"seconds", "psnr_vs_<first>"} or {"dropped": why}}, "size"}. npu: the NPU decoder's backend options."""
     latent = np.random.default_rng(0).standard_normal((1, 16, height // 8, width // 8)).astype(np.float32)
-    measured, reference = {}, None
+    measured, reference, not_comparable = {}, None, set()
     for name in DECODERS:
         try:
+            if name == "npu":
+                npu_gate(vae_path, width, height, npu)
             started = time.perf_counter()
-            image, used, warning = decode_latent(latent, vae_path, prefer=name)
+            image, used, warning = decode_latent(latent, vae_path, prefer=name, npu=npu)
             seconds = time.perf_counter() - started
             pixels = np.asarray(image, np.float64) / 255.0
             if used != name:
@@ -184,6 +184,12 @@ def time_decoders(vae_path, width: int, height: int, progress) -> dict:
             if pixels.shape != (height, width, 3) or not pixels.std() > 0:
                 raise RuntimeError(f"gave a {pixels.shape} image with spread {pixels.std():.3g}")
             entry = {"seconds": round(seconds, 3)}
+            if name == "npu" and npu["backend"] == "sim":
+                graphs = VaeGraphs.read(graphs_folder(vae_path, "onnx", width, height))  # built by the decode above
+                entry = {"board_seconds": round(estimated_board_seconds(graphs, DEFAULT_LAYOUT), 3),
+                         "not_chosen": "the simulated board's estimate; this PC's decoders are timed for real (tune on "
+                                       "the board compares them)"}
+                not_comparable.add(name)
             if reference is None:
                 reference = (name, pixels)
             else:
@@ -194,9 +200,24 @@ def time_decoders(vae_path, width: int, height: int, progress) -> dict:
         except Exception as exc:
             measured[name] = {"dropped": f"{type(exc).__name__}: {exc}"}
         progress(f"decoder {name}: {measured[name]}")
-    kept = {name: m for name, m in measured.items() if "seconds" in m}
+    kept = {name: m for name, m in measured.items() if "seconds" in m and name not in not_comparable}
     return {"chosen": min(kept, key=lambda name: kept[name]["seconds"]) if kept else None, "measured": measured,
             "size": f"{width}x{height}"}
+
+
+def npu_gate(vae_path, width: int, height: int, npu: dict) -> None:
+    """The NPU decoder's converted graphs (rknn) must pass their gate before it is timed: the stored check latent
+    against the fp32 image stored at conversion. The onnx and sim backends run fp32 graphs built from the
+    safetensors, which the PSNR check against the first decoder covers."""
+    if npu["backend"] != "rknn":
+        return
+    folder = graphs_folder(vae_path, "rknn", width, height)
+    if not (folder / "manifest.json").is_file():
+        raise RuntimeError(f"no converted NPU decoder graphs in {folder}")
+    result = check_npu_decoder(folder, "rknn", layouts=[DEFAULT_LAYOUT], core_mask=npu["core_mask"])[DEFAULT_LAYOUT]
+    if not result["ok"]:
+        raise RuntimeError(f"failed its gate: {DEFAULT_LAYOUT} layout {result['psnr']} dB against the fp32 image, "
+                           f"{result['nonfinite']} NaN/Inf")
 
 
 def profile_data(args, blocks, plan_options, choice, check, outcomes, graphs, full_batch2, batch2_source, decoders) -> dict:
@@ -264,5 +285,13 @@ def print_report(data: dict, path: Path) -> None:
         print(f"the choice needs batch-2 graphs for the whole model: {data['needs']} ({later})")
     if data["decoder"]:
         print(f"final decoder at {data['decoder']['size']}: {data['decoder']['chosen']} "
-              + "; ".join(f"{n} {m.get('seconds', m.get('dropped'))}" for n, m in data["decoder"]["measured"].items()))
+              + "; ".join(f"{n} {_decoder_cell(m)}" for n, m in data["decoder"]["measured"].items()))
     print(f"wrote {path}")
+
+
+def _decoder_cell(measured: dict) -> str:
+    if "dropped" in measured:
+        return f"dropped: {measured['dropped']}"
+    if "board_seconds" in measured:
+        return f"{measured['board_seconds']} board s (simulated; {measured['not_chosen']})"
+    return f"{measured['seconds']} s"
