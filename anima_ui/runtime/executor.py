@@ -20,6 +20,7 @@ import numpy as np
 
 from anima_ui.errors import Cancelled, UserError
 from anima_ui.model.config import BRANCH_KINDS
+from anima_ui.model.forward import dit_forward
 from anima_ui.runtime.backends import Backend, OnnxBackend, RknnLiteBackend, choose_resident
 from anima_ui.runtime.manifest import Manifest
 from anima_ui.runtime.memory import GIB, MemoryGate, read_meminfo
@@ -95,9 +96,6 @@ class BranchRuntime:
     # -- running -------------------------------------------------------------------------------------------------------
     def forward(self, weights, x, sigma, kv, rope, on_block=None) -> np.ndarray:
         """One DiT forward (velocity) over the batch in x; see the module docstring for how it splits."""
-        # model.forward still imports torch at its top (the torch reference lives there); the board has no torch
-        from anima_ui.model.forward import dit_forward
-
         self._check()
         if not self.plan.has_chains() or len(x) != 2:
             return dit_forward(weights, self, x, sigma, kv, rope, on_block)
