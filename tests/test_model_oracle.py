@@ -21,7 +21,7 @@ from anima_ui.model.config import AnimaConfig
 from anima_ui.convert.export import export_graphs
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.model.reference import TorchBranches, reference_forward
-from anima_ui.runtime import open_runtime
+from anima_ui.runtime import Plan, open_runtime
 
 TOLERANCE = 1e-5  # the brief asks < 1e-4; errors are ~4e-7, and a tanh-GELU bug gives 8e-5
 
@@ -156,7 +156,7 @@ def test_dit_through_the_exported_graphs_matches_diffusers(tiny_cfg, tiny_state,
     x, sigma, context = dit_inputs(tiny_cfg, height, width)
     ours_blocks, oracle_blocks = [], []
     kv, rope = prepare_kv(tiny_state, context), prepare_rope(tiny_cfg, height, width)
-    with open_runtime("onnx", tmp_path / "graphs") as runtime:
+    with open_runtime("onnx", tmp_path / "graphs", Plan.uniform("batch2")) as runtime:  # cond and uncond in one call
         ours = dit_forward(tiny_state, runtime, x, sigma, kv, rope, on_block=lambda i, X: ours_blocks.append(X.copy()))
     oracle = diffusers_forward(tiny_oracle, x, sigma, context, oracle_blocks)
     for i, (a, b) in enumerate(zip(ours_blocks, oracle_blocks, strict=True)):
