@@ -292,12 +292,15 @@ def _print_simulator_table(npu: dict, tmp: Path) -> None:
           f"{'CPU ops':>7} {'PSNR dB':>8}")
     for size, folder in npu.items():
         started = time.perf_counter()
-        graphs = convert_vae_graphs(folder, tmp / f"npu_rknn_{size}",
-                                    progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+
+        def progress(done, total, file, seconds, reused, result):
+            print(f"  {done}/{total} {file}: {'kept' if reused else f'{seconds:.0f} s'}", file=sys.stderr, flush=True)
+
+        graphs = convert_vae_graphs(folder, tmp / f"npu_rknn_{size}", progress=progress)
         for g in graphs.graphs:
             x = g.extra
             print(f"{Path(g.file).stem:<26} {f'{size}x{size}':>9} {x['gflop']:>7.0f} {x['build_seconds']:>8.1f} "
-                  f"{x['sim_seconds']:>7.1f} {x['build_peak_rss_gb']:>8.2f}G {x['peak_rss_gb']:>7.2f}G "
+                  f"{x['check_seconds']:>7.1f} {x['build_peak_rss_mib'] / 1024:>8.2f}G {x['peak_rss_mib'] / 1024:>7.2f}G "
                   f"{len(x['cpu_ops']):>7} {x['sim_psnr']:>8.1f}")
         for layout, check in graphs.checks.items():
             print(f"{'  layout ' + layout:<26} {f'{size}x{size}':>9} {'':>7} {'':>8} {'':>7} {'':>9} {'':>8} {'':>7} "

@@ -1,11 +1,15 @@
 """Runs inside .venv-rknn (rknn-toolkit2, numpy 1.26, onnx 1.18, onnxruntime < 1.23), started by
-`anima-ui convert-rknn` / `anima-ui prepare`; it imports nothing from anima_ui, whose environment it cannot share.
+`anima-ui convert-rknn` / `anima-ui prepare` for the DiT branch graphs and by vae/npu_graphs.py for the NPU
+decoder's; it imports nothing from anima_ui, whose environment it cannot share.
 
 For each graph named on the command line: build an FP16 .rknn for the target, then, in the same RKNN
 session (the toolkit's simulator cannot run a model loaded back from a .rknn file), run it on the
-simulator and compare with onnxruntime on the same random inputs. Each .rknn is written to a temp name
-and renamed when complete; one JSON line per graph on stdout tells the parent, which keeps the records
-and writes the manifest.
+simulator. Without --feeds it compares with onnxruntime on random inputs at the graph's scale; with
+--feeds DIR it runs once per DIR/<graph stem>/in_<i>.npy and writes out_<i>.npy beside it for the parent
+to judge (the decoder's checks are in pixel space, through graphs of the main environment). Each .rknn
+is written to a temp name and renamed when complete; one JSON line per graph on stdout tells the parent,
+which keeps the records and writes the manifest. The compiler's op table (where each op runs) goes to
+stderr with the rest of the toolkit's log, and the ops it left on the CPU into the JSON line.
 
 torch: rknn-toolkit2 2.5.0 imports it when `rknn.api` is imported, for one reason only: its GDQ
 quantizer (`rknn/api/gdq_quant`) decorates a function with `@torch.no_grad()` and subclasses
@@ -21,16 +25,21 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import resource
 import signal
 import sys
+import tempfile
 import time
 import types
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import onnxruntime
 
+# a row of the compiler's op table: "ID  OpType  DataType  Target  ..."
+OP_ROW = re.compile(r"^\S+ RKNN: \[[^\]]+\]\s+\d+\s+(\w+)\s+\w+\s+(CPU|NPU)\s")
 NEEDS_TORCH = "rknn-toolkit2 needs the real torch for this (its quantizers): run scripts/make_rknn_venv.sh --with-torch"
 
 
@@ -91,10 +100,13 @@ def check_inputs(graph: dict, seed: int) -> list:
     return arrays
 
 
-def convert_one(RKNN, onnx_path: Path, rknn_path: Path, graph: dict, target: str, seed: int) -> dict:
+def convert_one(RKNN, onnx_path: Path, rknn_path: Path, graph: dict, target: str, seed: int, feeds: Path | None) -> dict:
     temp = rknn_path.with_name(f".{rknn_path.name}.partial-{os.getpid()}")
-    rknn = RKNN(verbose=False)
+    rknn = RKNN(verbose=True)  # the op table (where each op runs) is printed only when verbose
     cpu_started = cpu_seconds()
+    files = sorted(feeds.glob("in_*.npy"), key=lambda path: int(path.stem[3:])) if feeds else []
+    runs = [[np.load(path)] for path in files] if feeds else [check_inputs(graph, seed)]
+    outputs = []
     try:
         started = time.perf_counter()
         rknn.config(target_platform=target, float_dtype="float16")
@@ -104,31 +116,70 @@ def convert_one(RKNN, onnx_path: Path, rknn_path: Path, graph: dict, target: str
             raise RuntimeError(f"build failed for {onnx_path.name}")
         if rknn.export_rknn(str(temp)) != 0:
             raise RuntimeError(f"export_rknn failed for {onnx_path.name}")
-        build_seconds = time.perf_counter() - started
+        build_seconds, build_peak = time.perf_counter() - started, peak_rss_mib()
         if rknn.init_runtime() != 0:  # target=None: the simulator
             raise RuntimeError(f"simulator init_runtime failed for {onnx_path.name}")
-        inputs = check_inputs(graph, seed)
-        simulated = np.asarray(rknn.inference(inputs=inputs)[0], dtype=np.float64)
+        for inputs in runs:
+            # 4-D inputs (the decoder's) are NCHW; the toolkit takes them as NHWC unless told
+            layout = ["nchw"] * len(inputs) if all(x.ndim == 4 for x in inputs) else None
+            outputs.append(np.asarray(rknn.inference(inputs=inputs, data_format=layout)[0], dtype=np.float32))
         check_seconds = time.perf_counter() - started - build_seconds
         os.replace(temp, rknn_path)
     finally:
         rknn.release()
         temp.unlink(missing_ok=True)
-    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    feeds = {spec["name"]: array for spec, array in zip(graph["inputs"], inputs)}
-    expected = np.asarray(session.run(None, feeds)[0], dtype=np.float64)
-    finite = np.isfinite(simulated)
-    a, b = np.where(finite, simulated, 0).ravel(), expected.ravel()
-    cosine = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
-    return {
+    result = {
         "cpu_seconds": round(cpu_seconds() - cpu_started, 3),  # less disturbed by a busy machine than wall time
         "build_seconds": round(build_seconds, 3),
         "check_seconds": round(check_seconds, 3),
-        "sim_cosine": cosine,
-        "sim_max_abs_error": float(np.abs(np.where(finite, simulated, 0) - expected).max()),
-        "sim_nonfinite": int((~finite).sum()),
-        "sim_shape_ok": list(simulated.shape) == list(graph["outputs"][0]["shape"]),
+        "build_peak_rss_mib": round(build_peak, 1),
+        "sim_nonfinite": int(sum((~np.isfinite(out)).sum() for out in outputs)),
+        "sim_shape_ok": all(list(out.shape) == list(graph["outputs"][0]["shape"]) for out in outputs),
     }
+    if feeds:
+        for i, out in enumerate(outputs):
+            np.save(feeds / f"out_{i}.npy", out)
+        return result
+    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    named = {spec["name"]: array for spec, array in zip(graph["inputs"], runs[0])}
+    expected = np.asarray(session.run(None, named)[0], dtype=np.float64)
+    simulated = outputs[0].astype(np.float64)
+    finite = np.isfinite(simulated)
+    a, b = np.where(finite, simulated, 0).ravel(), expected.ravel()
+    return {**result, "sim_cosine": float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30)),
+            "sim_max_abs_error": float(np.abs(np.where(finite, simulated, 0) - expected).max())}
+
+
+def placement(log: str) -> tuple[list[str], int]:
+    """(op types the compiler placed on the CPU besides the input and output themselves, number of NPU ops)."""
+    cpu, npu = [], 0
+    for line in log.splitlines():
+        row = OP_ROW.match(line)
+        if row and row.group(2) == "NPU":
+            npu += 1
+        elif row and row.group(1) not in ("InputOperator", "OutputOperator"):
+            cpu.append(row.group(1))
+    return cpu, npu
+
+
+@contextmanager
+def toolkit_log(into: list):
+    """The toolkit's native log (with the op table) goes to file descriptor 1, where the parent reads result
+    lines: catch it, append its text to `into`, and hand it on to stderr (the conversion log)."""
+    with tempfile.TemporaryFile("w+", errors="replace") as captured:
+        sys.stdout.flush()
+        stdout = os.dup(1)
+        os.dup2(captured.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(stdout, 1)
+            os.close(stdout)
+            captured.seek(0)
+            into.append(captured.read())
+            sys.stderr.write(into[-1])
+            sys.stderr.flush()
 
 
 def cpu_seconds() -> float:
@@ -170,6 +221,8 @@ def main() -> int:
     parser.add_argument("--out")
     parser.add_argument("--target", default="rk3588")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--feeds", help="run the simulator on DIR/<graph stem>/in_<i>.npy (one input each) and write "
+                                        "out_<i>.npy there, instead of comparing with onnxruntime on random inputs")
     parser.add_argument("graphs", nargs="*", help="ONNX file names of --onnx's manifest to convert, in order")
     args = parser.parse_args()
     toolkit = importlib.metadata.version("rknn-toolkit2")
@@ -187,11 +240,15 @@ def main() -> int:
     graphs = {g["file"]: g for g in json.loads((onnx_dir / "manifest.json").read_text())["graphs"]}
     for file in args.graphs:
         rknn_file = Path(file).with_suffix(".rknn").name
+        feeds = Path(args.feeds, Path(file).stem) if args.feeds else None
         reset_peak_rss()
-        check = convert_one(RKNN, onnx_dir / file, out_dir / rknn_file, graphs[file], args.target, args.seed)
+        log = []
+        with toolkit_log(log):
+            check = convert_one(RKNN, onnx_dir / file, out_dir / rknn_file, graphs[file], args.target, args.seed, feeds)
+        cpu_ops, npu_ops = placement(log[0])
         print(json.dumps({"file": rknn_file, "onnx_file": file, "sha256": sha256_file(out_dir / rknn_file),
                           "size": (out_dir / rknn_file).stat().st_size, "toolkit": toolkit, "peak_rss_mib": peak_rss_mib(),
-                          **check}), flush=True)
+                          "cpu_ops": cpu_ops, "npu_ops": npu_ops, **check}), flush=True)
     return 0
 
 

@@ -14,8 +14,9 @@ from anima_ui.metrics import psnr
 from anima_ui.runtime import board_latency
 from anima_ui.runtime.backends import Backend
 from anima_ui.runtime.executor import make_backend
-from anima_ui.vae.latent import SCALE, check_latent, to_uint8
-from anima_ui.vae.npu_graphs import CHECK_IMAGE, CHECK_LATENT, MANIFEST, VaeGraphs, build_vae_graphs
+from anima_ui.vae.latent import SCALE, Z_DIM, check_latent, to_uint8
+from anima_ui.vae.npu_graphs import CHECK_IMAGES, CHECK_LATENT, MANIFEST, VaeGraphs, build_vae_graphs
+from anima_ui.vae.onnx_decoder import OnnxDecoder
 from anima_ui.vae.tiling import assemble, cut_windows
 
 # the fewest FLOPs: 1100 GFLOP at 512x512 against 1950 for the 1x3 halo layouts; `tune` may choose another
@@ -94,24 +95,39 @@ def _check(cancel) -> None:
         raise Cancelled("cancelled")
 
 
-def check_npu_decoder(graphs_dir, backend: Backend | str = "rknn", layouts=None, core_mask: str = "auto",
+def check_npu_decoder(graphs_dir, backend: Backend | str = "rknn", layouts=None, vae_path=None,
+                      core_mask: str = "auto",
                       **backend_options) -> dict:
     """The board's gate: decode the folder's stored check latent with each layout and compare with the fp32
-    onnxruntime image stored next to it at conversion. Returns {layout: {"psnr", "nonfinite", "seconds",
-    "ok"}}; ok means >= MIN_BOARD_PSNR dB with no NaN/Inf."""
+    onnxruntime image of the same layout stored next to it at conversion. A folder without them (ONNX graphs
+    built here) is checked against the project's fp32 decoder of `vae_path` on a fixed latent, untiled: the
+    halo plan is exact, so that is every layout's fp32 image. Returns {layout: {"psnr", "nonfinite",
+    "seconds", "ok"}}; ok means >= MIN_BOARD_PSNR dB with no NaN/Inf."""
     folder = Path(graphs_dir)
     graphs = VaeGraphs.read(folder)
-    if not (folder / CHECK_LATENT).is_file() or not (folder / CHECK_IMAGE).is_file():
-        raise UserError(f"{folder} has no stored check latent and image; convert the NPU decoder graphs again")
-    latent, reference = np.load(folder / CHECK_LATENT), np.load(folder / CHECK_IMAGE)
+    if (folder / CHECK_LATENT).is_file() and (folder / CHECK_IMAGES).is_file():
+        latent = np.load(folder / CHECK_LATENT)
+        with np.load(folder / CHECK_IMAGES) as stored:
+            references = {layout: stored[layout] for layout in stored.files}
+    elif vae_path is not None:
+        shape = (1, Z_DIM, graphs.height // SCALE, graphs.width // SCALE)
+        latent = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        image = OnnxDecoder(vae_path).decode_float(latent).transpose(2, 0, 1)[None]
+        references = dict.fromkeys(graphs.layouts, image)
+    else:
+        raise UserError(f"{folder} has no stored check latent and images; convert the NPU decoder graphs again "
+                        "(anima-ui prepare)")
     if isinstance(backend, str):
         backend = make_backend(backend, **backend_options)
     results = {}
     for layout in layouts or graphs.layouts:
+        if layout not in references:
+            raise UserError(f"{folder} has no stored check image for the {layout} layout; convert the NPU decoder "
+                            "graphs again (anima-ui prepare)")
         seconds = dict.fromkeys(("load", "init", "inference", "release"), 0.0)
         image = run_layout(latent, graphs, folder, backend, layout, None, seconds, core_mask)
         nonfinite = int((~np.isfinite(image)).sum())
-        quality = psnr(np.nan_to_num(image), reference)
+        quality = psnr(np.nan_to_num(image), references[layout])
         results[layout] = {"psnr": round(float(quality), 2), "nonfinite": nonfinite,
                            "seconds": round(sum(seconds.values()), 3),
                            "ok": nonfinite == 0 and quality >= MIN_BOARD_PSNR}

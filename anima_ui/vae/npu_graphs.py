@@ -8,24 +8,30 @@ Layouts (every one computes the untiled decode):
 - halo-batch: the trunk, then all the tiles as one batch graph (one call that can spread over NPU cores).
 On onnxruntime the halo tiles reproduce the untiled up path bit for bit (tests/test_vae_npu.py).
 
-A folder holds `manifest.json`, the graph files and, after conversion, `check_latent.npy` with the fp32
-onnxruntime image of it (`check_image.npy`): the board's gate decodes the one and compares with the other.
-The folder appears whole or not at all (written next to it, then renamed).
+Both folders follow the DiT graphs' protocol (convert/export.py): one writer at a time, every graph renamed
+into place when complete with a record beside it, the manifest written last; a run after a kill keeps every
+graph whose record still matches and redoes the rest. A converted folder also holds `check_latent.npy` and
+the fp32 onnxruntime image of it per layout (`check_images.npz`): the board's gate decodes the one and
+compares with the other.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 
+from anima_ui.convert.convert_rknn import LOG, TARGETS, VENV_PYTHON, WORKER, toolkit_info
+from anima_ui.convert.export import finish_folder, finished_graph, folder_lock, read_record, start_folder, write_record
 from anima_ui.errors import UserError
+from anima_ui.files import write_atomically
 from anima_ui.metrics import psnr
+from anima_ui.model.onnx_graph import write_model
 from anima_ui.runtime.manifest import GraphEntry, TensorSpec, sha256_file
 from anima_ui.vae.graphs import build_decoder_graph, graph_gflop
 from anima_ui.vae.latent import SCALE, Z_DIM
@@ -39,12 +45,9 @@ LAYOUTS = ("untiled", "halo", "halo-batch")
 # Three strips: one per NPU core for the batch graph, and less window area than 2x2 tiles at 512x512
 # (3 x 64x39 against 4 x 45x45 latent px with the 13-px halo).
 DEFAULT_GRID = (1, 3)
-CHECK_LATENT, CHECK_IMAGE = "check_latent.npy", "check_image.npy"
+CHECK_LATENT, CHECK_IMAGES = "check_latent.npy", "check_images.npz"
 MIN_SIM_PSNR = 60.0  # dB in [0,1] pixels, simulator (FP16) against onnxruntime fp32
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VENV_PYTHON = REPO_ROOT / ".venv-rknn" / "bin" / "python"
-WORKER = Path(__file__).with_name("rknn_worker.py")
-LOG = "convert.log"
+GRAPHS_VERSION = 1  # bump when build_decoder_graph's output changes: kept graphs are then rebuilt
 
 
 @dataclass
@@ -58,7 +61,7 @@ class VaeGraphs:
     graphs: list[GraphEntry]
     source: dict
     tools: dict
-    checks: dict  # layout -> simulator results (rknn folders)
+    checks: dict  # layout -> simulator result of the whole chain (rknn folders)
 
     def entry(self, file: str) -> GraphEntry:
         return next(g for g in self.graphs if g.file == file)
@@ -67,7 +70,8 @@ class VaeGraphs:
         return halo_plan(self.height // SCALE, self.width // SCALE, tuple(self.grid), self.halo)
 
     def write(self, folder) -> None:
-        Path(folder, MANIFEST).write_text(json.dumps(asdict(self), indent=1) + "\n")
+        text = json.dumps(asdict(self), indent=1) + "\n"
+        write_atomically(Path(folder, MANIFEST), lambda f: f.write(text.encode()))
 
     @classmethod
     def read(cls, folder) -> "VaeGraphs":
@@ -79,7 +83,7 @@ class VaeGraphs:
             specs = lambda items: tuple(TensorSpec(s["name"], tuple(s["shape"]), s["dtype"]) for s in items)
             graphs = [GraphEntry(g["file"], g["block"], g["kind"], specs(g["inputs"]), specs(g["outputs"]), g["sha256"],
                                  g.get("extra", {})) for g in raw.pop("graphs")]
-            manifest = cls(graphs=graphs, **raw)
+            manifest = cls(graphs=graphs, **{**raw, "grid": tuple(raw["grid"])})
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path} is damaged ({exc}); build the NPU decoder graphs again") from None
         for files in manifest.layouts.values():
@@ -105,70 +109,55 @@ def _file_name(part: str, batch: int, height: int, width: int) -> str:
 
 def build_vae_graphs(vae_path, width: int, height: int, out_dir, layouts=LAYOUTS, grid=DEFAULT_GRID,
                      progress=None) -> VaeGraphs:
-    """Write the fp32 ONNX graphs of `layouts` for width x height images into `out_dir` (replacing it)."""
+    """Write the fp32 ONNX graphs of `layouts` for width x height images into `out_dir`, keeping the graphs an
+    earlier run built from the same VAE file. progress(done, total, file, seconds, reused) after each graph."""
     if width % 16 or height % 16 or width <= 0 or height <= 0:
         raise UserError(f"{width}x{height}: width and height must be positive multiples of 16")
     unknown = [layout for layout in layouts if layout not in LAYOUTS]
     if unknown or not layouts:
         raise UserError(f"unknown NPU decoder layout {unknown or layouts}: choose from {', '.join(LAYOUTS)}")
-    base_dim, weights = load_decoder_weights(vae_path)
     h, w = height // SCALE, width // SCALE
     plan = halo_plan(h, w, tuple(grid))
-    top = base_dim * DIM_MULT[-1]
-    with _new_folder(out_dir) as temp:
-        entries, names = {}, {}
-        for layout in layouts:
-            names[layout] = []
-            for part, batch, gh, gw in _graph_specs(layout, h, w, plan):
-                file = _file_name(part, batch, gh, gw) + ".onnx"
-                names[layout].append(file)
-                if file in entries:
-                    continue  # the trunk is shared by both halo layouts
+    names = {layout: [_file_name(*spec) + ".onnx" for spec in _graph_specs(layout, h, w, plan)] for layout in layouts}
+    specs = {_file_name(*spec) + ".onnx": spec for layout in layouts for spec in _graph_specs(layout, h, w, plan)}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source = {"file": Path(vae_path).name, "sha256": sha256_file(vae_path)}
+    tools = {"opset": OPSET, "onnx": onnx.__version__, "graphs": GRAPHS_VERSION}
+    weights = None  # read once, and only when a graph has to be built
+    with folder_lock(out_dir):
+        start_folder(out_dir)
+        entries = []
+        for done, (file, (part, batch, gh, gw)) in enumerate(specs.items(), 1):
+            started = time.perf_counter()
+            wanted = {"source": source, "tools": tools, "part": part, "batch": batch, "shape": [gh, gw]}
+            record = read_record(out_dir, file) if finished_graph(out_dir, file, wanted) else None
+            reused = record is not None
+            if not reused:
+                if weights is None:
+                    base_dim, weights = load_decoder_weights(vae_path)
                 model = build_decoder_graph(weights, base_dim, gh, gw, part=part, batch=batch)
-                onnx.save(model, str(temp / file))
-                inputs = (TensorSpec("features", (batch, top, gh, gw), "float32") if part == "up"
-                          else TensorSpec("latent", (batch, Z_DIM, gh, gw), "float32"),)
-                outputs = (TensorSpec("features", (batch, top, gh, gw), "float32") if part == "trunk"
-                           else TensorSpec("image", (batch, 3, gh * SCALE, gw * SCALE), "float32"),)
-                entries[file] = GraphEntry(file, 0, f"vae_{part}", inputs, outputs, sha256_file(temp / file),
-                                           {"gflop": round(graph_gflop(model), 2)})
-                if progress:
-                    progress(f"built {file}")
-        manifest = VaeGraphs("onnx", width, height, tuple(plan_grid(plan)), HALO, names, list(entries.values()),
-                             {"file": Path(vae_path).name, "sha256": sha256_file(vae_path), "base_dim": base_dim},
-                             {"opset": OPSET, "onnx": onnx.__version__}, {})
-        manifest.write(temp)
+                sha256 = write_model(model, out_dir / file)
+                record = {**wanted, "sha256": sha256, "size": (out_dir / file).stat().st_size, "base_dim": base_dim,
+                          "gflop": round(graph_gflop(model), 2)}
+                write_record(out_dir, file, record)
+            top = record["base_dim"] * DIM_MULT[-1]
+            inputs = (TensorSpec("features", (batch, top, gh, gw), "float32") if part == "up"
+                      else TensorSpec("latent", (batch, Z_DIM, gh, gw), "float32"),)
+            outputs = (TensorSpec("features", (batch, top, gh, gw), "float32") if part == "trunk"
+                       else TensorSpec("image", (batch, 3, gh * SCALE, gw * SCALE), "float32"),)
+            entries.append(GraphEntry(file, 0, f"vae_{part}", inputs, outputs, record["sha256"], {"gflop": record["gflop"]}))
+            if progress:
+                progress(done, len(specs), file, time.perf_counter() - started, reused)
+        manifest = VaeGraphs("onnx", width, height, tuple(plan_grid(plan)), HALO, names, entries,
+                             {**source, "base_dim": record["base_dim"]}, tools, {})
+        finish_folder(out_dir, manifest)
     return manifest
 
 
 def plan_grid(plan: HaloPlan) -> tuple[int, int]:
     """Tiles per axis of a plan (a latent too small for the requested grid has fewer)."""
     return len({t.y for t in plan.tiles}), len({t.x for t in plan.tiles})
-
-
-class _new_folder:
-    """A temporary sibling of `out_dir` that replaces it when the block succeeds, and vanishes otherwise."""
-
-    def __init__(self, out_dir):
-        self.out_dir = Path(out_dir)
-
-    def __enter__(self) -> Path:
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.temp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.build-", dir=self.out_dir.parent))
-        return self.temp
-
-    def __exit__(self, kind, exc, tb):
-        if kind is not None:
-            shutil.rmtree(self.temp, ignore_errors=True)
-            return False
-        old = None
-        if self.out_dir.exists():
-            old = self.out_dir.with_name(f".{self.out_dir.name}.old-{os.getpid()}")
-            self.out_dir.rename(old)
-        self.temp.rename(self.out_dir)
-        if old is not None:
-            shutil.rmtree(old)
-        return False
 
 
 # ---------------------------------------------------------------- RKNN
@@ -178,115 +167,169 @@ def convert_vae_graphs(onnx_dir, out_dir, target: str = "rk3588", python=VENV_PY
     """FP16 .rknn graphs of an ONNX decoder folder, each built in .venv-rknn and run on the simulator along its
     layout's chain (the up path gets the simulated trunk's features). Every graph must reach MIN_SIM_PSNR
     against onnxruntime fp32 on the same inputs, in [0,1] pixels (the trunk's features through the fp32 up
-    path), with no NaN/Inf; the folder is written only then."""
-    if target != "rk3588":
-        raise UserError(f"--target {target!r}: only rk3588 is supported")
-    python = Path(python)
-    if not python.exists():
-        raise UserError(f"no RKNN conversion environment at {python}: run scripts/make_rknn_venv.sh first")
+    path), with no NaN/Inf. Graphs an earlier run finished from the same ONNX graph, toolkit and check input
+    are kept. progress(done, total, file, seconds, reused, result) after each graph."""
+    if target not in TARGETS:
+        raise UserError(f"--target {target!r}: only {', '.join(TARGETS)} is supported")
     source = VaeGraphs.read(onnx_dir)
     if source.format != "onnx":
         raise UserError(f"{onnx_dir} holds {source.format} decoder graphs; point at an ONNX decoder folder")
-    onnx_dir = Path(onnx_dir)
-    latent = np.random.default_rng(seed).standard_normal((1, Z_DIM, source.height // SCALE, source.width // SCALE))
-    latent = latent.astype(np.float32)
-    plan = source.plan()
-    ort = {}
-
-    def fp32(file, x):
-        if file not in ort:
-            ort[file] = ort_file_session(onnx_dir / file)
-        return ort[file].run(None, {source.entry(file).inputs[0].name: x})[0]
-
-    def up_path(run, file, windows, batched):
-        parts = [run(file, windows)] if batched else [run(file, windows[i:i + 1]) for i in range(len(windows))]
-        return assemble(np.concatenate(parts), plan)
-
-    log = Path(out_dir).with_name(f"{Path(out_dir).name}.{LOG}")  # kept when the conversion fails
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text("")
-    with _new_folder(out_dir) as temp, tempfile.TemporaryDirectory(prefix="vae-sim-") as scratch:
-        results, simulated, checks = {}, {}, {}
-
-        def convert(file, inputs):
-            if file not in simulated:
-                results[file], simulated[file] = _convert_one(python, onnx_dir / file, temp, target, inputs,
-                                                              Path(scratch), log, progress)
-            return simulated[file]
-
-        reference = None
+    toolkit = toolkit_info(python)["rknn-toolkit2"]
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chain = _Chain(onnx_dir, source, seed)
+    with folder_lock(out_dir), tempfile.TemporaryDirectory(prefix="vae-sim-") as scratch:
+        start_folder(out_dir)
+        order = list(dict.fromkeys(f for files in source.layouts.values() for f in files))
+        records, checks = {}, {}
         for layout, files in source.layouts.items():
-            if layout == "untiled":
-                image = fp32(files[0], latent)
-                sim = convert(files[0], [latent])[0]
-                results[files[0]]["sim_psnr"] = psnr(sim, image)
-            else:
-                trunk, up = files
-                batched = source.entry(up).inputs[0].shape[0] > 1
-                features = fp32(trunk, latent)
-                image = up_path(fp32, up, cut_windows(features, plan), batched)
-                sim_windows = cut_windows(convert(trunk, [latent])[0], plan)
-                through_fp32 = up_path(fp32, up, sim_windows, batched)
-                results[trunk].setdefault("sim_psnr", psnr(through_fp32, image))
-                sim_parts = convert(up, [sim_windows] if batched else [w[None] for w in sim_windows])
-                sim = assemble(np.concatenate(sim_parts), plan)
-                results[up]["sim_psnr"] = psnr(sim, through_fp32)
-            reference = image if reference is None else reference
-            checks[layout] = {"sim_psnr": round(float(psnr(sim, image)), 2), "sim_nonfinite": int((~np.isfinite(sim)).sum())}
-            if progress:
-                progress(f"{layout}: simulator {checks[layout]['sim_psnr']:.1f} dB against onnxruntime fp32")
-        _check_simulation(results, checks, log)
-        log.rename(temp / LOG)
-        np.save(temp / CHECK_LATENT, latent)
-        np.save(temp / CHECK_IMAGE, reference)
-        graphs = []
-        for entry in source.graphs:
-            file = Path(entry.file).with_suffix(".rknn").name
-            extra = {**entry.extra, **results[entry.file], "onnx_file": entry.file, "onnx_sha256": entry.sha256}
-            graphs.append(GraphEntry(file, entry.block, entry.kind, entry.inputs, entry.outputs, sha256_file(temp / file), extra))
-        layouts = {k: [Path(f).with_suffix(".rknn").name for f in v] for k, v in source.layouts.items()}
-        tools = {"rknn-toolkit2": next(iter(results.values()))["toolkit"], "target": target}
+            for file in files:
+                if file in records:
+                    continue  # the trunk, shared by both halo layouts
+                started = time.perf_counter()
+                rknn = rknn_name(file)
+                wanted = {"onnx_sha256": source.entry(file).sha256, "toolkit": toolkit, "target": target, "seed": seed}
+                if source.entry(file).kind == "vae_up":  # its check input is the simulated trunk's output
+                    wanted["trunk_sha256"] = records[files[0]]["sha256"]
+                record = read_record(out_dir, rknn) if finished_graph(out_dir, rknn, wanted) else None
+                if record is not None and record.get("features") and not (out_dir / record["features"]).is_file():
+                    record = None  # the trunk's simulated features are gone: the up graphs need them
+                reused = record is not None
+                if not reused:
+                    record = _convert_and_check(python, chain, layout, files, file, out_dir, target, Path(scratch))
+                    record = {**wanted, **record}
+                    _check_graph(record, out_dir)
+                    write_record(out_dir, rknn, record)
+                records[file] = record
+                if progress:
+                    progress(len(records), len(order), rknn, time.perf_counter() - started, reused, record)
+            checks[layout] = {"sim_psnr": records[files[-1]]["layout_psnr"], "sim_nonfinite": records[files[-1]]["sim_nonfinite"]}
+        _write_check(out_dir, chain, source)
+        graphs = [GraphEntry(rknn_name(e.file), e.block, e.kind, e.inputs, e.outputs, records[e.file]["sha256"],
+                             {**e.extra, "onnx_file": e.file, "onnx_sha256": e.sha256,
+                              **{k: records[e.file][k] for k in RECORD_KEYS}})
+                  for e in source.graphs]
+        layouts = {k: [rknn_name(f) for f in v] for k, v in source.layouts.items()}
         manifest = VaeGraphs("rknn", source.width, source.height, source.grid, source.halo, layouts, graphs,
-                             {"onnx_manifest_sha256": sha256_file(onnx_dir / MANIFEST), **source.source}, tools, checks)
-        manifest.write(temp)
+                             {"onnx_manifest_sha256": sha256_file(onnx_dir / MANIFEST), **source.source},
+                             {"rknn-toolkit2": toolkit, "target": target}, checks)
+        finish_folder(out_dir, manifest)
     return manifest
 
 
-def _convert_one(python: Path, onnx_path: Path, out: Path, target: str, inputs: list[np.ndarray], scratch: Path,
-                 log: Path, progress) -> tuple[dict, list[np.ndarray]]:
-    folder = Path(tempfile.mkdtemp(prefix=onnx_path.stem + "-", dir=scratch))
-    paths = []
+RECORD_KEYS = ("sim_psnr", "sim_nonfinite", "cpu_ops", "npu_ops", "build_seconds", "check_seconds", "cpu_seconds",
+               "build_peak_rss_mib", "peak_rss_mib")
+
+
+def rknn_name(onnx_file: str) -> str:
+    return str(Path(onnx_file).with_suffix(".rknn"))
+
+
+class _Chain:
+    """The fp32 side of the checks: the check latent, onnxruntime sessions of the ONNX graphs (opened on first
+    use), and each layout's fp32 image of the latent."""
+
+    def __init__(self, onnx_dir: Path, source: VaeGraphs, seed: int):
+        self.onnx_dir, self.source, self.plan = onnx_dir, source, source.plan()
+        shape = (1, Z_DIM, source.height // SCALE, source.width // SCALE)
+        self.latent = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+        self.sessions, self.images, self.features = {}, {}, None
+
+    def run(self, file: str, x: np.ndarray) -> np.ndarray:
+        if file not in self.sessions:
+            self.sessions[file] = ort_file_session(self.onnx_dir / file)
+        return self.sessions[file].run(None, {self.source.entry(file).inputs[0].name: x})[0]
+
+    def up_path(self, run, up: str, features: np.ndarray) -> np.ndarray:
+        """Image [1,3,H,W] of trunk features through the up graph `up` (`run(file, x)` runs a graph)."""
+        windows = cut_windows(features, self.plan)
+        batched = self.source.entry(up).inputs[0].shape[0] > 1
+        parts = [run(up, windows)] if batched else [run(up, w[None]) for w in windows]
+        return assemble(np.concatenate(parts), self.plan)
+
+    def image(self, layout: str) -> np.ndarray:
+        """The fp32 image of the check latent through a layout's ONNX graphs."""
+        if layout not in self.images:
+            files = self.source.layouts[layout]
+            if layout == "untiled":
+                self.images[layout] = self.run(files[0], self.latent)
+            else:
+                if self.features is None:
+                    self.features = self.run(files[0], self.latent)
+                self.images[layout] = self.up_path(self.run, files[1], self.features)
+        return self.images[layout]
+
+
+def _convert_and_check(python: Path, chain: _Chain, layout: str, files: list[str], file: str, out_dir: Path,
+                       target: str, scratch: Path) -> dict:
+    """Convert one graph and check it on the simulator along `layout`'s chain; the worker's result plus
+    sim_psnr (this graph), layout_psnr (the layout's simulated chain against its fp32 image) and, for the
+    trunk, the file holding its simulated features."""
+    entry = chain.source.entry(file)
+    if entry.kind == "vae_full":
+        (image,) = _simulate(python, chain, file, [chain.latent], out_dir, target, scratch)
+        result = _worker_result(scratch, file)
+        result["sim_psnr"] = result["layout_psnr"] = psnr(image, chain.image(layout))
+    elif entry.kind == "vae_trunk":
+        (features,) = _simulate(python, chain, file, [chain.latent], out_dir, target, scratch)
+        result = _worker_result(scratch, file)
+        # in pixel space: the simulated features through the fp32 up path
+        result["sim_psnr"] = psnr(chain.up_path(chain.run, files[1], features), chain.image(layout))
+        result["layout_psnr"] = result["sim_psnr"]
+        result["features"] = rknn_name(file) + ".features.npy"
+        write_atomically(out_dir / result["features"], lambda f: np.save(f, features))
+    else:
+        trunk = read_record(out_dir, rknn_name(files[0]))
+        windows = cut_windows(np.load(out_dir / trunk["features"]), chain.plan)
+        batched = entry.inputs[0].shape[0] > 1
+        outputs = _simulate(python, chain, file, [windows] if batched else [w[None] for w in windows], out_dir, target, scratch)
+        result = _worker_result(scratch, file)
+        simulated = assemble(np.concatenate(outputs), chain.plan)
+        through_fp32 = chain.up_path(chain.run, file, np.load(out_dir / trunk["features"]))
+        result["sim_psnr"] = psnr(simulated, through_fp32)
+        result["layout_psnr"] = psnr(simulated, chain.image(layout))
+        result["sim_nonfinite"] += int((~np.isfinite(simulated)).sum())
+    return {**result, "sim_psnr": round(float(result["sim_psnr"]), 2), "layout_psnr": round(float(result["layout_psnr"]), 2)}
+
+
+def _simulate(python: Path, chain: _Chain, file: str, inputs: list[np.ndarray], out_dir: Path, target: str,
+              scratch: Path) -> list[np.ndarray]:
+    """Run the conversion worker on one graph with `inputs` (one simulator run each); its outputs."""
+    feeds = scratch / Path(file).stem
+    shutil.rmtree(feeds, ignore_errors=True)
+    feeds.mkdir(parents=True)
     for i, x in enumerate(inputs):
-        paths.append(folder / f"in_{i}.npy")
-        np.save(paths[-1], x)
-    command = [str(python), str(WORKER), "--onnx", str(onnx_path), "--rknn", str(out / (onnx_path.stem + ".rknn")),
-               "--target", target, "--outputs", str(folder), "--inputs", *map(str, paths)]
-    with open(log, "a") as stream:
-        stream.write(f"== {onnx_path.name}\n")
-        stream.flush()
+        np.save(feeds / f"in_{i}.npy", x)
+    command = [str(python), str(WORKER), "--onnx", str(chain.onnx_dir.resolve()), "--out", str(out_dir.resolve()),
+               "--target", target, "--feeds", str(scratch), file]
+    with open(out_dir / LOG, "a") as log:
+        log.write(f"== {file}\n")
+        log.flush()
         # cwd: the toolkit writes its intermediate check*.onnx files into the working directory
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=stream, text=True, cwd=folder)
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=log, text=True, cwd=scratch)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise UserError(f"RKNN conversion of {onnx_path.name} failed (exit {done.returncode}): {tail[0][:300]}")
-    result = json.loads(lines[-1])
-    if progress:
-        progress(f"{onnx_path.stem}.rknn: built in {result['build_seconds']:.1f} s, simulated in {result['sim_seconds']:.1f} s, "
-                 f"peak RSS {result['peak_rss_gb']:.2f} GB")
-    outputs = [np.load(folder / f"out_{i}.npy") for i in range(len(inputs))]
-    result["sim_nonfinite"] = int(sum((~np.isfinite(x)).sum() for x in outputs))
-    shutil.rmtree(folder)
-    return result, outputs
+        tail = (out_dir / LOG).read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise UserError(f"RKNN conversion of {file} failed (exit {done.returncode}): {tail[0][:300]}; "
+                        f"the toolkit's output is in {out_dir / LOG}")
+    (feeds / "result.json").write_text(lines[-1])
+    return [np.load(feeds / f"out_{i}.npy") for i in range(len(inputs))]
 
 
-def _check_simulation(results: dict, checks: dict, log: Path) -> None:
-    for file, r in results.items():
-        r["sim_psnr"] = round(float(r["sim_psnr"]), 2)
-        if r["sim_nonfinite"] or not r["sim_psnr"] >= MIN_SIM_PSNR:
-            raise UserError(f"{file} failed the simulator check ({r['sim_psnr']:.1f} dB, {r['sim_nonfinite']} NaN/Inf; "
-                            f"needs >= {MIN_SIM_PSNR:.0f} dB against onnxruntime fp32 and none; ops on the CPU: "
-                            f"{', '.join(r['cpu_ops']) or 'none'}); see {log}")
-    for layout, check in checks.items():
-        if check["sim_nonfinite"]:
-            raise UserError(f"the {layout} decoder gave {check['sim_nonfinite']} NaN/Inf values on the simulator; see {log}")
+def _worker_result(scratch: Path, file: str) -> dict:
+    return json.loads((scratch / Path(file).stem / "result.json").read_text())
+
+
+def _check_graph(record: dict, out_dir: Path) -> None:
+    if record["sim_nonfinite"] or not record["sim_shape_ok"] or not record["sim_psnr"] >= MIN_SIM_PSNR:
+        (out_dir / record["file"]).unlink(missing_ok=True)  # no graph without a passing record
+        raise UserError(f"{record['onnx_file']} failed the simulator check ({record['sim_psnr']:.1f} dB, "
+                        f"{record['sim_nonfinite']} NaN/Inf; needs >= {MIN_SIM_PSNR:.0f} dB against onnxruntime fp32 and "
+                        f"none; ops on the CPU: {', '.join(record['cpu_ops']) or 'none'}); see {out_dir / LOG}")
+
+
+def _write_check(out_dir: Path, chain: _Chain, source: VaeGraphs) -> None:
+    """What the board's gate compares with: the check latent and each layout's fp32 image of it."""
+    images = {layout: chain.image(layout) for layout in source.layouts}
+    write_atomically(out_dir / CHECK_LATENT, lambda f: np.save(f, chain.latent))
+    write_atomically(out_dir / CHECK_IMAGES, lambda f: np.savez(f, **images))
