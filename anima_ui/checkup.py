@@ -22,6 +22,7 @@ from anima_ui.runtime.backends import RknnLiteBackend
 from anima_ui.runtime.graphs import ready_graph_folders
 from anima_ui.runtime.manifest import MANIFEST, Manifest, sha256_file
 from anima_ui.runtime.memory import GIB, read_meminfo, swap_used
+from anima_ui.vae.npu_decoder import MIN_BOARD_PSNR, check_npu_decoder, graphs_folder
 
 MIN_COSINE = 0.9999  # the FP16 gate of `anima-ui verify` and of the conversion's simulator check
 APP_NEEDS_GIB = 3.0  # what one generation at 512x512 holds on the board's host
@@ -63,10 +64,12 @@ def collect(models_dir, width: int | None = None, height: int | None = None, qui
     if quick:
         rows.append(Row("hashes", "skip", "left out (--quick)"))
         rows.append(Row("NPU run", "skip", "left out (--quick)"))
+        rows.append(Row("NPU decoder", "skip", "left out (--quick)"))
     else:
         rows += _hash_rows(models, progress)
         run, versions = _npu_run(models, graphs, width, height, core_mask, lite2, npu, library)
         rows.append(run)
+        rows.append(_decoder_row(models, width, height, core_mask, lite2, npu, library))
         if versions.get("driver") and not npu.driver_version:  # debugfs is root's; the runtime tells everyone
             rows = [Row(r.check, r.status, f"{npu.driver} {versions['driver']} (as the runtime reports it)") if r.check == "NPU driver" else r
                     for r in rows]
@@ -340,6 +343,34 @@ def _npu_run(models: Path, graphs: list[Path], width, height, core_mask: str, li
         return Row("NPU run", "ok", result), versions
     return Row("NPU run", "fail", result + f" (the gate is {MIN_COSINE})",
                "the NPU computes this graph wrongly: report the runtime, driver and toolkit versions above; try another librknnrt.so"), versions
+
+
+def _decoder_row(models: Path, width, height, core_mask: str, lite2: board.Lite2, npu: board.NpuDevice,
+                 library: board.Librknnrt) -> Row:
+    """The NPU decoder's gate (`anima-ui verify --decoder npu`) on one converted size. A failure is a warning, not a
+    block: the app decodes with sd.cpp unless told otherwise."""
+    root = graphs_folder(models / modelfiles.VAE, "rknn", 0, 0).parent
+    folders = sorted(p.parent for p in root.glob(f"*/{MANIFEST}"))
+    if not folders:
+        return Row("NPU decoder", "skip", "no converted decoder graphs (sd.cpp decodes on the CPU)",
+                   "`anima-ui prepare --models <folder>` converts them with the branch graphs")
+    if lite2.import_error is not None:
+        return Row("NPU decoder", "skip", "needs rknn-toolkit-lite2")
+    folder = root / f"{width}x{height}" if width and height else folders[0]
+    if folder not in folders:
+        return Row("NPU decoder", "skip", f"no converted decoder graphs in {folder}",
+                   f"converted sizes: {', '.join(f.name for f in folders)}; `anima-ui prepare --width W --height H` makes others")
+    try:
+        results = check_npu_decoder(folder, RknnLiteBackend(core_mask, npu, library))
+    except UserError as exc:
+        return Row("NPU decoder", "warn", f"{folder.name}: {exc}", "keep --decoder sdcpp (the default) until it runs")
+    value = f"{folder.name}: " + ", ".join(f"{layout} {r['psnr']:.1f} dB in {r['seconds']:.1f} s" + (f" ({r['nonfinite']} NaN/Inf)" if r["nonfinite"] else "")
+                                           for layout, r in results.items())
+    failed = [layout for layout, r in results.items() if not r["ok"]]
+    if not failed:
+        return Row("NPU decoder", "ok", f"{value} against the fp32 decoder (gate {MIN_BOARD_PSNR:.0f} dB): --decoder npu works")
+    return Row("NPU decoder", "warn", f"{value}; {', '.join(failed)} below {MIN_BOARD_PSNR:.0f} dB or not finite",
+               "keep --decoder sdcpp (the default); report the runtime, driver and toolkit versions above")
 
 
 def spec_dtype(session, name: str):

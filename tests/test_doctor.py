@@ -9,14 +9,19 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from anima_ui.checkup import collect, verdict
 from anima_ui.cli import build_parser
 from anima_ui.runtime import board
 from anima_ui.runtime.manifest import MANIFEST, GraphEntry, Manifest, sha256_file
+from anima_ui.vae.npu_decoder import graphs_folder
+from anima_ui.vae.npu_graphs import CHECK_IMAGES, CHECK_LATENT, build_vae_graphs
+from anima_ui.vae.onnx_decoder import OnnxDecoder
 from helpers import WITHOUT_TORCH, make_library
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +79,26 @@ def tiny_board_models(tiny_model, tmp_path_factory):
         graphs.append(GraphEntry(file, g.block, g.kind, g.inputs, g.outputs, sha256_file(converted / file), extra))
     Manifest("rknn", 64, 64, onnx.batch, "fp16", graphs, {"onnx_manifest_sha256": sha256_file(exported / MANIFEST)},
              {"rknn-toolkit2": "2.5.0", "target": "rk3588"}).write(converted)
+    _npu_decoder_copy(models / "vae" / "qwen_image_vae.safetensors", 64, 64)
     return models
+
+
+def _npu_decoder_copy(vae, width, height):
+    """The NPU decoder's ONNX graphs under .rknn names in vae/npu/rknn/WxH, with the check latent and images a
+    conversion stores."""
+    onnx_dir, rknn_dir = graphs_folder(vae, "onnx", width, height), graphs_folder(vae, "rknn", width, height)
+    graphs = build_vae_graphs(vae, width, height, onnx_dir)
+    rknn_dir.mkdir(parents=True)
+    for g in graphs.graphs:
+        shutil.copyfile(onnx_dir / g.file, rknn_dir / g.file.replace(".onnx", ".rknn"))
+    graphs.format = "rknn"
+    graphs.graphs = [replace(g, file=g.file.replace(".onnx", ".rknn")) for g in graphs.graphs]
+    graphs.layouts = {k: [f.replace(".onnx", ".rknn") for f in v] for k, v in graphs.layouts.items()}
+    graphs.write(rknn_dir)
+    latent = np.random.default_rng(3).standard_normal((1, 16, height // 8, width // 8)).astype(np.float32)
+    np.save(rknn_dir / CHECK_LATENT, latent)
+    image = OnnxDecoder(vae).decode_float(latent).transpose(2, 0, 1)[None]
+    np.savez(rknn_dir / CHECK_IMAGES, **dict.fromkeys(graphs.layouts, image))
 
 
 @pytest.fixture
@@ -116,7 +140,7 @@ def test_doctor_here_prints_the_table_and_says_no_npu(tmp_path):
     lines = result.stdout.strip().splitlines()
     checks = [line.split("  ")[0].strip() for line in lines[:-1] if not line.startswith(" ")]
     assert checks == ["machine", "NPU driver", "NPU device", "rknn-toolkit-lite2", "librknnrt.so", "converted graphs",
-                      "memory", "swap / zram", "model files", "hashes", "NPU run"]
+                      "memory", "swap / zram", "model files", "hashes", "NPU run", "NPU decoder"]
     assert lines[-1].startswith(f"no NPU present: this {platform.machine()} machine has no rknpu driver and no /dev/dri/renderD129")
     assert_commands_exist(result.stdout)
 
@@ -146,6 +170,8 @@ def test_ready_board(rknnlite_standin, tiny_board_models, fake_board):
     run = rows["NPU run"]
     assert run.status == "ok" and "runtime 2.5.0, driver 0.9.8" in run.value
     assert float(re.search(r"cosine (\S+)", run.value).group(1)) >= 0.9999
+    decoder = rows["NPU decoder"]
+    assert decoder.status == "ok" and decoder.value.startswith("64x64: untiled ") and "--decoder npu works" in decoder.value
     assert not rknnlite_standin.OPEN
 
 
@@ -190,6 +216,9 @@ def test_wrong_numbers_fail_the_cosine_gate(rknnlite_standin, tiny_board_models,
     rows, ready, _ = doctor(tiny_board_models, fake_board)
     assert not ready and rows["NPU run"].status == "fail"
     assert float(re.search(r"cosine (\S+)", rows["NPU run"].value).group(1)) < 0.9999
+    # the decoder's gate fails too, as a warning: sd.cpp still decodes
+    assert rows["NPU decoder"].status == "warn" and "below 50 dB" in rows["NPU decoder"].value
+    assert "keep --decoder sdcpp" in rows["NPU decoder"].fix
 
 
 def test_missing_runtime_library(rknnlite_standin, tiny_board_models, fake_board, tmp_path):

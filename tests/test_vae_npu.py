@@ -327,6 +327,46 @@ def test_gate_without_stored_images_decodes_with_the_fp32_decoder_of_the_vae(fol
     assert set(results) == set(LAYOUTS) and all(r["ok"] and r["psnr"] >= 100.0 for r in results.values())
 
 
+# ---------------------------------------------------------------- verify --decoder npu
+
+def test_verify_decoder_npu_passes_then_fails_on_wrong_numbers(tiny_model, tmp_path, capsys):
+    tiny = shutil.copytree(tiny_model, tmp_path / "tiny")
+    argv = ["verify", "--models", str(tiny), "--backend", "sim", "--time-scale", "0", "--decoder", "npu",
+            "--width", "64", "--height", "64"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["passed"] and set(result["layouts"]) == set(LAYOUTS)
+    assert all(r["psnr"] >= 100 and r["nonfinite"] == 0 for r in result["layouts"].values())
+    # the graphs were built on first use; a broken graph must fail the gate
+    folder = graphs_folder(tiny / "vae" / "qwen_image_vae.safetensors", "onnx", 64, 64)
+    _break_bias(folder / "vae_full_8x8.onnx")
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert not result["passed"] and not result["layouts"]["untiled"]["ok"] and result["layouts"]["halo"]["ok"]
+    assert "the NPU decoder failed the gate (untiled: needs >= 50 dB" in captured.err and "--decoder sdcpp" in captured.err
+
+
+def _break_bias(path):
+    """Shift the head conv's bias: the image moves by 0.05, about 26 dB off."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    bias = next(t for t in model.graph.initializer if t.name.startswith("decoder.head.2.bias"))
+    bias.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(bias) + np.float32(0.05), bias.name))
+    onnx.save(model, str(path))
+
+
+def test_verify_decoder_npu_on_rknn_without_converted_graphs_names_prepare(rknnlite_standin, tiny_model, capsys):
+    assert main(["verify", "--models", str(tiny_model), "--backend", "rknn", "--decoder", "npu", "--width", "64",
+                 "--height", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no converted NPU decoder graphs for 64x64" in err[0]
+    assert f"anima-ui prepare --models {tiny_model} --width 64 --height 64" in err[0]
+
+
 # ---------------------------------------------------------------- generate --decoder npu
 
 def test_generate_with_the_npu_decoder_on_the_simulated_board(tiny_model, tmp_path, capsys):

@@ -6,7 +6,11 @@ max abs error, NaN/Inf count. Exit 0 when every cosine reaches the threshold (0.
 0.9999 for FP16/RKNN graphs) and nothing is NaN/Inf, else 1. The last line is one JSON object.
 
 The reference is the torch forward on this machine; on a board, `--reference onnx` compares against the
-exported fp32 ONNX graphs run by onnxruntime instead (as the blog's 28-block check did)."""
+exported fp32 ONNX graphs run by onnxruntime instead (as the blog's 28-block check did).
+
+`--decoder npu` checks the NPU decoder graphs instead: it decodes the test latent stored at conversion with
+every layout on the backend and compares with the project's fp32 decoder image of the same tile plan stored
+beside it. Exit 0 only when every layout reaches 50 dB with no NaN/Inf."""
 
 import json
 import sys
@@ -17,12 +21,16 @@ import numpy as np
 
 from anima_ui.commands.pipeline_flags import add_runtime_arguments, open_options, runtime_plan
 from anima_ui.convert.model_graphs import export_model_graphs
+from anima_ui.errors import UserError
 from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime import open_runtime
+from anima_ui.runtime.executor import make_backend
 from anima_ui.runtime.graphs import graphs_dir, graphs_ready
 from anima_ui.runtime.host_weights import load_host_weights
+from anima_ui.vae.npu_decoder import MIN_BOARD_PSNR, check_npu_decoder, graphs_folder
+from anima_ui.vae.npu_graphs import MANIFEST, build_vae_graphs
 
 FP32_MIN_COSINE = 0.99999
 FP16_MIN_COSINE = 0.9999
@@ -39,6 +47,9 @@ def add_arguments(parser):
     add_runtime_arguments(parser, profile=False)
     # one forward: a resident onnxruntime session would never be reused, only held (the board's fp32 reference must stay small)
     parser.set_defaults(time_scale=0.001, resident_sessions="none")
+    parser.add_argument("--decoder", choices=("npu",),
+                        help="npu: check the NPU decoder graphs instead of the DiT branches (every layout against the "
+                             f"fp32 decoder on the stored test latent; passes at >= {MIN_BOARD_PSNR:.0f} dB, no NaN/Inf)")
 
 
 def compare(split: np.ndarray, reference: np.ndarray) -> dict:
@@ -64,6 +75,8 @@ def graphs_for(paths, backend: str, width: int, height: int, batch: int = 1):
 
 
 def run(args) -> int:
+    if args.decoder == "npu":
+        return verify_decoder(args)
     plan = runtime_plan(args)
     paths = ModelPaths.find(args.models)
     graphs = [graphs_for(paths, args.backend, args.width, args.height, batch) for batch in sorted(plan.graph_batches())]
@@ -111,3 +124,30 @@ def run(args) -> int:
     print(json.dumps({"backend": args.backend, "min_cosine": min_cosine, "final_cosine": rows[-1][1]["cosine"],
                       "threshold": threshold, "nonfinite": nonfinite, "passed": passed}))
     return 0 if passed else 1
+
+
+def verify_decoder(args) -> int:
+    """The NPU decoder's gate on the backend; the last line is one JSON object."""
+    paths = ModelPaths.find(args.models)
+    backend = make_backend(args.backend, time_scale=args.time_scale)
+    folder = graphs_folder(paths.vae, backend.graph_format, args.width, args.height)
+    if not (folder / MANIFEST).is_file():
+        if backend.graph_format != "onnx":
+            raise UserError(f"no converted NPU decoder graphs for {args.width}x{args.height} in {folder}: run "
+                            f"`anima-ui prepare --models {args.models} --width {args.width} --height {args.height}` "
+                            "(until then the app decodes with --decoder sdcpp)")
+        print(f"building the NPU decoder graphs for {args.width}x{args.height} into {folder} ...", file=sys.stderr, flush=True)
+        build_vae_graphs(paths.vae, args.width, args.height, folder)
+    results = check_npu_decoder(folder, backend, vae_path=paths.vae, core_mask=args.core_mask)
+    print(f"NPU decoder graphs ({folder}) on {args.backend} vs the fp32 decoder, same tile plan, {args.width}x{args.height}")
+    print(f"{'layout':<12} {'PSNR dB':>8} {'NaN/Inf':>8} {'seconds':>8} {'gate':>5}")
+    for layout, r in results.items():
+        print(f"{layout:<12} {r['psnr']:>8.1f} {r['nonfinite']:>8d} {r['seconds']:>8.2f} {'ok' if r['ok'] else 'FAIL':>5}")
+    failed = [layout for layout, r in results.items() if not r["ok"]]
+    if failed:
+        print(f"the NPU decoder failed the gate ({', '.join(failed)}: needs >= {MIN_BOARD_PSNR:.0f} dB and no NaN/Inf): "
+              f"keep --decoder sdcpp; convert again with `anima-ui prepare --models {args.models}`, and if it fails again "
+              "report the toolkit and runtime versions `anima-ui doctor` prints", file=sys.stderr)
+    print(json.dumps({"backend": args.backend, "decoder": "npu", "threshold": MIN_BOARD_PSNR, "layouts": results,
+                      "passed": not failed}))
+    return 0 if not failed else 1
