@@ -100,11 +100,18 @@ def format_infotext(request, summary: dict) -> str:
         "Spectrum config": spectrum_config_text(spectrum) if spectrum else None,
         "Model evaluations": summary.get("model_evals"),
         "Backend": summary.get("backend"),
-        "VAE decoder": summary.get("decoder"),
+        "VAE decoder": decoder_label(summary),
         "Denoise time": format_seconds(seconds["denoise"]) if "denoise" in seconds else None,
         "Version": VERSION,
     }
     return join_infotext(request.prompt, request.negative, params)
+
+
+def decoder_label(summary: dict) -> str | None:
+    """Which decoder made the image, as the result line and the PNG parameters say it: its name, and for the NPU
+    decoder the graph layout that ran ("npu (halo-batch)")."""
+    decoder, layout = summary.get("decoder"), summary.get("decoder_layout")
+    return f"{decoder} ({layout})" if decoder and layout else decoder
 
 
 def settings_from_infotext(text: str) -> dict:

@@ -35,6 +35,7 @@ from anima_ui.sampling.schedule import simple_sigmas
 from anima_ui.sampling.spectrum import Spectrum
 from anima_ui.text.encoder import TextEncoder, open_networks
 from anima_ui.vae.decode import DECODERS, decode_latent
+from anima_ui.vae.npu_decoder import DEFAULT_LAYOUT
 
 CACHED_CONTEXTS = 4  # positive + negative of the current job and of the previous one
 
@@ -189,6 +190,7 @@ class Pipeline:
             "model_evals": model_evals,
             "transformer_passes": (2 if request.uses_uncond else 1) * model_evals,
             "decoder": decoder,
+            "decoder_layout": self.npu_options()["layout"] if decoder == "npu" else None,
             "warning": warning,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
             "per_step": steps,
@@ -289,13 +291,16 @@ class Pipeline:
             raise UserError("the denoised latent contains NaN or Inf; nothing was saved (try another seed or fewer steps)")
         return x, records
 
+    def npu_options(self) -> dict:
+        """The NPU decoder's options: the branches' runtime (onnxruntime when the branches run in torch) and its
+        default layout."""
+        return {"backend": "onnx" if self.backend == "torch" else self.backend, "layout": DEFAULT_LAYOUT,
+                **{k: self.runtime_options[k] for k in ("time_scale", "core_mask") if k in self.runtime_options}}
+
     def _decode(self, latent, choice: RuntimeChoice | None, cancel):
         """The flag's decoder, else the tune profile's faster correct one at this size, else sd.cpp."""
         prefer = self.decoder or (choice and choice.decoder) or "sdcpp"
-        # the NPU decoder runs on the branches' runtime (onnxruntime when the branches run in torch)
-        npu = {"backend": "onnx" if self.backend == "torch" else self.backend,
-               **{k: self.runtime_options[k] for k in ("time_scale", "core_mask") if k in self.runtime_options}}
-        return decode_latent(latent, self.paths.vae, prefer=prefer, npu=npu, cancel=cancel)
+        return decode_latent(latent, self.paths.vae, prefer=prefer, npu=self.npu_options(), cancel=cancel)
 
 
 def _check(cancel: threading.Event) -> None:

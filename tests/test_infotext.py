@@ -53,6 +53,18 @@ def test_round_trip_of_our_infotext_restores_every_setting():
     }
 
 
+@pytest.mark.parametrize("summary, text", [({"decoder": "npu", "decoder_layout": "halo-batch"}, "VAE decoder: npu (halo-batch)"),
+                                           ({"decoder": "sdcpp", "decoder_layout": None}, "VAE decoder: sdcpp"),
+                                           ({"decoder": None}, None)])
+def test_the_parameters_name_the_decoder_and_the_npu_layout(summary, text):
+    infotext = format_infotext(GenerationRequest(prompt="a cat", seed=1, steps=4), summary)
+    if text is None:
+        assert "VAE decoder" not in infotext
+    else:
+        assert f", {text}," in infotext
+    assert settings_from_infotext(infotext)["seed"] == 1  # still a valid parameters text
+
+
 def test_spectrum_keys_restore_the_numbers_written_not_todays_setting():
     text = 'a cat\nSteps: 20, Seed: 1, Size: 64x64, Spectrum: on, Spectrum forecaster: reuse, Spectrum config: "window=3, flex=1.0, warmup=4, stop=0.9"'
     params = settings_from_infotext(text)["spectrum_params"]

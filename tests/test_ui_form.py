@@ -1,10 +1,13 @@
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from anima_ui.errors import UserError
 from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, SETTINGS, canonical
 from anima_ui.ui import form
+from anima_ui.ui.watch import job_status
 
 
 def _request(**overrides):
@@ -102,3 +105,15 @@ def test_committed_presets_are_valid():
     for name in names:
         values = form.load_preset(presets, name)
         _request(**{k: v for k, v in values.items() if k in ("negative", "cfg", "steps", "size", "spectrum", "forecaster")})
+
+
+def test_the_result_line_names_the_decoder_and_the_npu_layout():
+    def done(summary):
+        item = SimpleNamespace(summary=summary, png_path=Path("00001-7.png"))
+        job = SimpleNamespace(state="done", item=item, elapsed=12.0, request=SimpleNamespace(seed=7))
+        return job_status(None, job)
+
+    assert "seed 7 · VAE npu (halo) · 00001-7.png" in done({"decoder": "npu", "decoder_layout": "halo"})
+    assert "seed 7 · VAE sdcpp · 00001-7.png" in done({"decoder": "sdcpp", "decoder_layout": None})
+    fallback = done({"decoder": "onnx", "warning": "stable-diffusion.cpp VAE unavailable (no library); decoded with the onnx decoder"})
+    assert "VAE onnx" in fallback and "⚠️ stable-diffusion.cpp VAE unavailable" in fallback

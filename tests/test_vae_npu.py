@@ -378,8 +378,9 @@ def test_generate_with_the_npu_decoder_on_the_simulated_board(tiny_model, tmp_pa
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["decoder"] == "npu" and summary["backend"] == "sim" and summary["warning"] is None
+    assert summary["decoder_layout"] == "untiled"
     image = Image.open(tmp_path / "out.png")
-    assert "VAE decoder: npu" in image.text["parameters"]
+    assert "VAE decoder: npu (untiled)," in image.text["parameters"]
     vae = tiny / "vae" / "qwen_image_vae.safetensors"
     assert VaeGraphs.read(graphs_folder(vae, "onnx", 64, 96)).width == 64  # built on first use, next to the VAE
     expected = OnnxDecoder(vae, threads=1).decode(np.load(tmp_path / "z.npy"))

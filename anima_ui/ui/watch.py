@@ -6,7 +6,7 @@ A browser's `session` (kept in gr.BrowserState, so it survives reloads) is {"job
 import numpy as np
 from PIL import Image
 
-from anima_ui.infotext import format_seconds
+from anima_ui.infotext import decoder_label, format_seconds
 from anima_ui.metrics import psnr, ssim
 from anima_ui.sampling.spectrum import canonical, first_forecasting_steps
 
@@ -38,7 +38,7 @@ def job_status(manager, job, label: str = "") -> str:
     if job.state == "done":
         warning = job.item.summary.get("warning")
         note = f"\n\n⚠️ {warning}" if warning else ""
-        decoder = job.item.summary.get("decoder")
+        decoder = decoder_label(job.item.summary)
         vae = f" · VAE {decoder}" if decoder else ""
         return f"{prefix}✅ **Done** in {format_seconds(job.elapsed)} · seed {job.request.seed}{vae} · {job.item.png_path.name}{note}"
     if job.state == "cancelled":
