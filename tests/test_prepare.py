@@ -8,6 +8,7 @@ import pytest
 
 from anima_ui import download
 from anima_ui.convert import convert_rknn
+from anima_ui.vae.npu_graphs import LAYOUTS, MIN_SIM_PSNR, VaeGraphs
 
 
 @pytest.fixture()
@@ -41,3 +42,8 @@ def test_rknn_with_the_toolkit_exports_and_converts(tiny):
     assert lines[0] == "anima-ui prepare: starting" and lines[-1] == "anima-ui prepare: done"
     assert any("convert 6/6" in line for line in lines)
     assert (tiny / "rknn" / "64x64" / "manifest.json").is_file()
+    # the NPU decoder's graphs too, every layout checked on the simulator
+    decoder = VaeGraphs.read(tiny / "vae" / "npu" / "rknn" / "64x64")
+    assert decoder.format == "rknn" and set(decoder.layouts) == set(LAYOUTS)
+    assert all(g.extra["sim_psnr"] >= MIN_SIM_PSNR and not g.extra["cpu_ops"] for g in decoder.graphs)
+    assert any(line.startswith("anima-ui prepare: decoder convert: ") and "simulator against fp32: untiled" in line for line in lines)

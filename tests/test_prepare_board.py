@@ -1,9 +1,11 @@
 """`anima-ui prepare` end to end (the RKNN tier: needs .venv-rknn): download from a local mirror, export without
-torch, convert, simulator check, manifests; then `verify` passes; and a run killed mid-export and again
-mid-conversion ends, after a rerun, with the manifests of an uninterrupted run."""
+torch, convert, simulator check, manifests, the NPU decoder's graphs too; then `verify` passes; and a run killed
+mid-export, mid-conversion and mid-way through the decoder's conversion ends, after a rerun, with the manifests of an
+uninterrupted run."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from anima_ui.fixtures.model import write_random_model
 from anima_ui.fixtures.weights import write_random_dit
 from anima_ui.model.config import AnimaConfig
 from anima_ui.runtime.manifest import Manifest
+from anima_ui.vae.npu_graphs import MIN_SIM_PSNR, VaeGraphs
 
 pytestmark = pytest.mark.rknn
 SIZE = ["--width", "64", "--height", "64"]
@@ -59,6 +62,8 @@ def test_prepare_from_an_empty_folder_then_verify(mirror, tmp_path, anima_ui_wit
     for graph, source in zip(rknn.graphs, onnx.graphs, strict=True):
         assert graph.extra["onnx_sha256"] == source.sha256 and graph.inputs == source.inputs
         assert graph.extra["sim_cosine"] >= MIN_SIM_COSINE and graph.extra["sim_nonfinite"] == 0
+    decoder = VaeGraphs.read(models / "vae" / "npu" / "rknn" / "64x64")
+    assert all(g.extra["sim_psnr"] >= MIN_SIM_PSNR for g in decoder.graphs)
     for backend in ("onnx", "sim"):
         verify = subprocess.run([sys.executable, "-m", "anima_ui", "verify", "--models", str(models), "--backend", backend, *SIZE],
                                 capture_output=True, text=True, timeout=300)
@@ -99,11 +104,17 @@ def test_prepare_killed_mid_export_and_mid_conversion_ends_like_one_run(wide_mir
     assert "export 1/6 block00_self_attn.onnx (kept)" in second and "export 3/6 block00_mlp.onnx (kept)" in second
     assert "export 6/6 block01_mlp.onnx (kept)" not in second  # the graphs after the kill were built, not kept
     assert not (killed / "rknn" / "64x64" / "manifest.json").exists()  # killed inside the conversion
+    third = run_until(command, "decoder convert 2/")
+    assert "\nexport: 0 built, 6 kept" in third
+    assert "convert 1/6 block00_self_attn.rknn (kept)" in third and "convert 2/6 block00_cross_attn.rknn (kept)" in third
+    assert "\nconvert: 6 built" not in third and "\nconvert: 0 built" not in third
+    decoder_killed = killed / "vae" / "npu" / "rknn" / "64x64"
+    assert not (decoder_killed / "manifest.json").exists()  # killed inside the decoder's conversion
     last = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert last.returncode == 0, last.stderr[-3000:]
-    assert "export: 0 built, 6 kept" in last.stderr
-    assert "convert 1/6 block00_self_attn.rknn (kept)" in last.stderr and "convert 2/6 block00_cross_attn.rknn (kept)" in last.stderr
-    assert "convert: 6 built" not in last.stderr and "convert: 0 built" not in last.stderr
+    assert "\nconvert: 0 built, 6 kept" in last.stderr and "\ndecoder export: 0 built" in last.stderr
+    assert re.search(r"^decoder convert 1/\d vae_full_8x8.rknn \(kept\)", last.stderr, re.MULTILINE), last.stderr[-3000:]
+    assert "decoder convert: 0 built" not in last.stderr
 
     for models in (whole, killed):
         assert not [p for p in models.rglob("*") if ".partial-" in p.name]
@@ -113,3 +124,7 @@ def test_prepare_killed_mid_export_and_mid_conversion_ends_like_one_run(wide_mir
     a, b = Manifest.read(rknn_whole), Manifest.read(rknn_killed)
     assert deterministic(a, rknn_whole) == deterministic(b, rknn_killed)
     assert a.source == b.source and a.tools == b.tools
+    decoder_whole = whole / "vae" / "npu" / "rknn" / "64x64"
+    c, d = VaeGraphs.read(decoder_whole), VaeGraphs.read(decoder_killed)
+    assert [(g.file, g.inputs, g.extra["onnx_sha256"]) for g in c.graphs] == [(g.file, g.inputs, g.extra["onnx_sha256"]) for g in d.graphs]
+    assert c.layouts == d.layouts and all(check["sim_psnr"] >= MIN_SIM_PSNR for check in d.checks.values())

@@ -1,4 +1,4 @@
-"""`anima-ui prepare --models DIR [--width W --height H] [--target rk3588] [--jobs N] [--mirror URL]`."""
+"""`anima-ui prepare --models DIR [--width W --height H] [--target rk3588] [--jobs N] [--mirror URL] [--no-decoder]`."""
 
 from anima_ui.convert.prepare import prepare
 
@@ -12,7 +12,10 @@ def add_arguments(parser):
     parser.add_argument("--mirror", help="download every file from MIRROR/<its path in the model folder> instead of the "
                                          "official sources (a folder as file:///path, or a LAN server)")
 
+    parser.add_argument("--no-decoder", action="store_true",
+                        help="leave out the NPU decoder's graphs (sd.cpp decodes; their simulator check needs ~6 GB at 512x512)")
+
 
 def run(args) -> int:
-    prepare(args.models, args.width, args.height, args.target, args.mirror, jobs=args.jobs)
+    prepare(args.models, args.width, args.height, args.target, args.mirror, jobs=args.jobs, decoder=not args.no_decoder)
     return 0

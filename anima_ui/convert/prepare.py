@@ -7,7 +7,9 @@ export.py and convert_rknn.py), and each manifest is written last. Running it ag
 only the unfinished file or graph.
 
 The text encoder needs no graphs here: it runs on the host. A text-encoder graph set would be one more
-`export_*` call in the export phase below, with its own folder and manifest, converted the same way."""
+`export_*` call in the export phase below, with its own folder and manifest, converted the same way, as the
+NPU decoder's graphs are (vae/npu_graphs.py: untiled, trunk + halo tiles, trunk + one batch of tiles; each
+checked on the simulator in pixel space, into MODELS/vae/npu/<onnx|rknn>/WxH)."""
 
 import dataclasses
 import platform
@@ -19,11 +21,14 @@ from anima_ui.convert.export import export_graphs
 from anima_ui.download import download, download_plan
 from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.modelfiles import ModelPaths
+from anima_ui.vae.npu_decoder import graphs_folder
+from anima_ui.vae.npu_graphs import build_vae_graphs, convert_vae_graphs
 
 
 def prepare(models_dir, width: int = 512, height: int = 512, target: str = "rk3588", mirror: str | None = None,
-            python=VENV_PYTHON, jobs: int = 1, out=sys.stderr) -> dict:
-    """Run every phase, printing progress to `out`; returns {"rknn": folder, "peaks": {phase: peak RSS MiB}}."""
+            python=VENV_PYTHON, jobs: int = 1, out=sys.stderr, decoder: bool = True) -> dict:
+    """Run every phase, printing progress to `out`; returns {"rknn": folder, "decoder": folder or None,
+    "peaks": {phase: peak RSS MiB}}. decoder=False leaves out the NPU decoder's graphs."""
     info = toolkit_info(python)  # before a 6 GB download: is there a conversion environment at all?
     report = lambda line: print(line, file=out, flush=True)
     report(f"conversion environment: rknn-toolkit2 {info['rknn-toolkit2']}, Python {info['python']}, "
@@ -48,23 +53,37 @@ def prepare(models_dir, width: int = 512, height: int = 512, target: str = "rk35
 
     converted = paths.rknn_dir(width, height)
     bar = ProgressBar("convert", out)
-    worker_peaks = []
-
-    def converted_one(done, total, file, seconds, reused, result):
-        if not reused:
-            worker_peaks.append(result["peak_rss_mib"])
-        bar.update(done, total, file, seconds, reused)
-
-    convert_rknn(exported, converted, target, python, progress=converted_one, jobs=jobs)
-    peaks["convert (largest graph)"] = max(worker_peaks, default=0.0)
+    convert_rknn(exported, converted, target, python, progress=bar.converted, jobs=jobs)
+    peaks["convert (largest graph)"] = max(bar.worker_peaks, default=0.0)
     report(f"convert: {bar.summary()}; peak RSS of one graph's conversion {peaks['convert (largest graph)']:.0f} MiB")
 
+    decoder_dir = _prepare_decoder(paths, width, height, target, python, peaks, out, report) if decoder else None
+
     board = platform.machine() == "aarch64"
-    report(f"ready: {converted}")
+    report(f"ready: {converted}" + (f" and {decoder_dir} (try it: anima-ui verify --models {models_dir} --backend rknn "
+                                    "--decoder npu, on the board)" if decoder_dir else ""))
     report(f"start the app with: anima-ui serve --models {models_dir} --backend rknn" if board else
            f"start the app here with `anima-ui serve --models {models_dir}` (onnxruntime); on the board, copy "
            f"{models_dir} there and run `anima-ui serve --models {models_dir} --backend rknn`")
-    return {"rknn": converted, "peaks": peaks}
+    return {"rknn": converted, "decoder": decoder_dir, "peaks": peaks}
+
+
+def _prepare_decoder(paths, width: int, height: int, target: str, python, peaks: dict, out, report):
+    """The NPU decoder's ONNX graphs, then their conversion (one graph at a time: a graph's simulator check at
+    512x512 needs ~6 GB)."""
+    reset_peak_rss()
+    onnx_dir = graphs_folder(paths.vae, "onnx", width, height)
+    bar = ProgressBar("decoder export", out)
+    build_vae_graphs(paths.vae, width, height, onnx_dir, progress=bar.update)
+    report(f"decoder export: {bar.summary()}")
+    rknn_dir = graphs_folder(paths.vae, "rknn", width, height)
+    bar = ProgressBar("decoder convert", out)
+    graphs = convert_vae_graphs(onnx_dir, rknn_dir, target, python, progress=bar.converted)
+    peaks["decoder convert (largest graph)"] = max(bar.worker_peaks, default=0.0)
+    psnrs = ", ".join(f"{layout} {check['sim_psnr']:.1f} dB" for layout, check in graphs.checks.items())
+    report(f"decoder convert: {bar.summary()}; simulator against fp32: {psnrs}; peak RSS of one graph's conversion "
+           f"{peaks['decoder convert (largest graph)']:.0f} MiB")
+    return rknn_dir
 
 
 class ProgressBar:
@@ -76,6 +95,13 @@ class ProgressBar:
         self.seconds: dict[str, list[float]] = {}
         self.started = time.perf_counter()
         self.kept = 0
+        self.worker_peaks: list[float] = []  # MiB, of each graph a conversion worker built
+
+    def converted(self, done: int, total: int, file: str, seconds: float, reused: bool, result: dict) -> None:
+        """A conversion's progress callback: the line, and the peak RSS of the worker that built the graph."""
+        if not reused:
+            self.worker_peaks.append(result["peak_rss_mib"])
+        self.update(done, total, file, seconds, reused)
 
     def update(self, done: int, total: int, file: str, seconds: float, reused: bool) -> None:
         kind = next((k for k in BRANCH_KINDS if k in file), "")

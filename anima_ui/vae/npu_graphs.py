@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from anima_ui.convert.convert_rknn import LOG, TARGETS, VENV_PYTHON, WORKER, toolkit_info
+from anima_ui.convert.convert_rknn import LOG, TARGETS, VENV_PYTHON, WORKER, rknn_name, toolkit_info
 from anima_ui.convert.export import finish_folder, finished_graph, folder_lock, read_record, start_folder, write_record
 from anima_ui.errors import UserError
 from anima_ui.files import write_atomically
@@ -219,10 +219,6 @@ def convert_vae_graphs(onnx_dir, out_dir, target: str = "rk3588", python=VENV_PY
 
 RECORD_KEYS = ("sim_psnr", "sim_nonfinite", "cpu_ops", "npu_ops", "build_seconds", "check_seconds", "cpu_seconds",
                "build_peak_rss_mib", "peak_rss_mib")
-
-
-def rknn_name(onnx_file: str) -> str:
-    return str(Path(onnx_file).with_suffix(".rknn"))
 
 
 class _Chain:
