@@ -236,19 +236,22 @@ def main() -> int:
         print(json.dumps(info))
         return 0
     die_with_parent()
-    onnx_dir, out_dir = Path(args.onnx), Path(args.out)
+    onnx_dir, out_dir = Path(args.onnx).resolve(), Path(args.out).resolve()
+    feeds_dir = Path(args.feeds).resolve() if args.feeds else None
     graphs = {g["file"]: g for g in json.loads((onnx_dir / "manifest.json").read_text())["graphs"]}
-    for file in args.graphs:
-        rknn_file = Path(file).with_suffix(".rknn").name
-        feeds = Path(args.feeds, Path(file).stem) if args.feeds else None
-        reset_peak_rss()
-        log = []
-        with toolkit_log(log):
-            check = convert_one(RKNN, onnx_dir / file, out_dir / rknn_file, graphs[file], args.target, args.seed, feeds)
-        cpu_ops, npu_ops = placement(log[0])
-        print(json.dumps({"file": rknn_file, "onnx_file": file, "sha256": sha256_file(out_dir / rknn_file),
-                          "size": (out_dir / rknn_file).stat().st_size, "toolkit": toolkit, "peak_rss_mib": peak_rss_mib(),
-                          "cpu_ops": cpu_ops, "npu_ops": npu_ops, **check}), flush=True)
+    with tempfile.TemporaryDirectory(prefix="rknn-worker-") as work:
+        os.chdir(work)  # the verbose toolkit writes its intermediate check*.onnx files into the working directory
+        for file in args.graphs:
+            rknn_file = Path(file).with_suffix(".rknn").name
+            reset_peak_rss()
+            log = []
+            with toolkit_log(log):
+                check = convert_one(RKNN, onnx_dir / file, out_dir / rknn_file, graphs[file], args.target, args.seed,
+                                    feeds_dir / Path(file).stem if feeds_dir else None)
+            cpu_ops, npu_ops = placement(log[0])
+            print(json.dumps({"file": rknn_file, "onnx_file": file, "sha256": sha256_file(out_dir / rknn_file),
+                              "size": (out_dir / rknn_file).stat().st_size, "toolkit": toolkit, "peak_rss_mib": peak_rss_mib(),
+                              "cpu_ops": cpu_ops, "npu_ops": npu_ops, **check}), flush=True)
     return 0
 
 

@@ -301,8 +301,7 @@ def _simulate(python: Path, chain: _Chain, file: str, inputs: list[np.ndarray], 
     with open(out_dir / LOG, "a") as log:
         log.write(f"== {file}\n")
         log.flush()
-        # cwd: the toolkit writes its intermediate check*.onnx files into the working directory
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=log, text=True, cwd=scratch)
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=log, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (out_dir / LOG).read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
