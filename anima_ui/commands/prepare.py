@@ -13,7 +13,8 @@ def add_arguments(parser):
                                          "official sources (a folder as file:///path, or a LAN server)")
 
     parser.add_argument("--no-decoder", action="store_true",
-                        help="leave out the NPU decoder's graphs (sd.cpp decodes; their simulator check needs ~6 GB at 512x512)")
+                        help="leave out the NPU decoder's graphs (sd.cpp decodes); at 512x512 their simulator checks peak at "
+                             "6 GB (untiled) and 10.5 GB (the batch of tiles), more than a board has")
 
 
 def run(args) -> int:

@@ -69,8 +69,8 @@ def prepare(models_dir, width: int = 512, height: int = 512, target: str = "rk35
 
 
 def _prepare_decoder(paths, width: int, height: int, target: str, python, peaks: dict, out, report):
-    """The NPU decoder's ONNX graphs, then their conversion (one graph at a time: a graph's simulator check at
-    512x512 needs ~6 GB)."""
+    """The NPU decoder's ONNX graphs, then their conversion, one graph at a time: at 512x512 a graph's simulator
+    check peaks at 6 GB (untiled) to 10.5 GB (the batch of tiles)."""
     reset_peak_rss()
     onnx_dir = graphs_folder(paths.vae, "onnx", width, height)
     bar = ProgressBar("decoder export", out)
