@@ -361,7 +361,7 @@ def _decoder_row(models: Path, width, height, core_mask: str, lite2: board.Lite2
         return Row("NPU decoder", "skip", f"no converted decoder graphs in {folder}",
                    f"converted sizes: {', '.join(f.name for f in folders)}; `anima-ui prepare --width W --height H` makes others")
     try:
-        results = check_npu_decoder(folder, RknnLiteBackend(core_mask, npu, library))
+        results = check_npu_decoder(folder, RknnLiteBackend(npu, library), core_mask=core_mask)
     except UserError as exc:
         return Row("NPU decoder", "warn", f"{folder.name}: {exc}", "keep --decoder sdcpp (the default) until it runs")
     value = f"{folder.name}: " + ", ".join(f"{layout} {r['psnr']:.1f} dB in {r['seconds']:.1f} s" + (f" ({r['nonfinite']} NaN/Inf)" if r["nonfinite"] else "")

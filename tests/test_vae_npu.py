@@ -390,8 +390,6 @@ def test_generate_with_the_npu_decoder_on_the_simulated_board(tiny_model, tmp_pa
 # ---------------------------------------------------------------- anima-ui tune's decoder timing
 
 def test_tune_times_the_npu_decoder_only_when_its_graphs_pass_the_gate(rknnlite_standin, folder, small_vae, tmp_path):
-    from anima_ui.commands.tune import time_decoders
-
     vae = shutil.copy(small_vae, tmp_path / small_vae.name)
     graphs_folder(vae, "rknn", SIZE, SIZE).parent.mkdir(parents=True)
     rknn = _as_rknn_folder(folder, graphs_folder(vae, "rknn", SIZE, SIZE))
@@ -401,7 +399,7 @@ def test_tune_times_the_npu_decoder_only_when_its_graphs_pass_the_gate(rknnlite_
     assert "width 16" in passed["sdcpp"]["dropped"]  # sd.cpp takes only the release VAE width
     assert passed["onnx"]["seconds"] > 0
     assert passed["npu"]["seconds"] > 0 and passed["npu"]["psnr_vs_onnx"] >= 40  # FP16-rounded by the stand-in
-    np.save(rknn / CHECK_IMAGE, np.clip(reference + 0.01, 0, 1))  # 40 dB off: the board's gate wants 50
+    np.savez(rknn / CHECK_IMAGES, **dict.fromkeys(LAYOUTS, np.clip(reference + 0.01, 0, 1)))  # 40 dB off: the gate wants 50
     failed = time_decoders(vae, SIZE, SIZE, lambda line: None, npu)
     assert failed["measured"]["npu"]["dropped"].startswith("RuntimeError: failed its gate: untiled layout 4")
     assert failed["chosen"] == "onnx"
