@@ -12,9 +12,12 @@ from diffusers.modular_pipelines.anima.encoders import AnimaTextEncoderStep
 from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3Model, T5TokenizerFast
 
+from anima_ui.bench.text import numpy_adapter
+from anima_ui.cli import main
 from anima_ui.errors import UserError
 from anima_ui.fixtures.model import write_random_model
 from anima_ui.fixtures.weights import text_encoder_shape, write_random_text_encoder
+from anima_ui.model.adapter import adapt_sequences, open_adapter
 from anima_ui.model.config import AnimaConfig
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.text.encoder import TextEncoder
@@ -211,3 +214,23 @@ def test_pipeline_keeps_recent_contexts_and_opens_an_encoder_only_for_new_prompt
     assert len(opened) == 5 and reencoded is not positive
     np.testing.assert_array_equal(reencoded, positive)
     assert pipeline.contexts([""])[0] is negative  # used by every call, never evicted
+
+
+def test_bench_text_prints_the_adapter_engines_side_by_side(paths, capsys):
+    assert main(["bench", "text", "--models", str(paths.root), "--engines", "onnx", "--lengths", "5", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    title = next(i for i, line in enumerate(lines) if line.startswith("LLM adapter"))
+    rows = [line.split() for line in lines[title + 2:]]
+    assert [row[:2] for row in rows] == [["onnx", "5"], ["numpy", "5"]]
+    assert float(rows[0][3]) < 1e-4  # the app's graphs and the NumPy engine it replaced agree
+
+
+def test_the_benchs_numpy_adapter_is_the_apps_adapter(paths):
+    """The bench's "before" row computes the same function as the app's graphs, from the same file."""
+    weights = open_adapter(paths.dit)
+    rng = np.random.default_rng(3)
+    source = rng.standard_normal((9, weights.shape("blocks.0.cross_attn.k_proj.weight")[1])).astype(np.float32)
+    ids = rng.integers(0, weights.shape("embed.weight")[0], 6)
+    ours = adapt_sequences(weights, [(source, ids)])[0]
+    before = numpy_adapter(weights, source, ids)
+    assert ours.shape == before.shape and np.abs(ours - before).max() < 1e-5 * np.abs(before).max()

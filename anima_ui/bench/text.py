@@ -1,9 +1,14 @@
-"""`anima-ui bench text --models DIR`: Qwen3-0.6B text-encoding engines side by side, per prompt length.
+"""`anima-ui bench text --models DIR`: the text-encoding engines side by side, per prompt length: Qwen3-0.6B,
+then the LLM adapter.
 
 - onnx: the app's engine (text/qwen3.py): each encode streams the bf16 file one layer at a time, widens it to
   float32 and runs one decoder-layer graph (built with onnx.helper) on onnxruntime.
 - numpy: the same streaming with the layer's maths written in NumPy (below), the alternative to onnxruntime.
 - torch: transformers' Qwen3Model with every weight in float32 in memory (the engine the app used before).
+
+The adapter (T5 ids cross-attending to Qwen3 states, six blocks read from the DiT file per prompt):
+- onnx: the app's engine (model/adapter.py): one block graph on onnxruntime, blocks streamed into reused buffers.
+- numpy: the same maths in NumPy, each tensor read when it is used (the engine the app used before).
 
 Seconds are medians over --repeats, measured in one process with the engines interleaved (the machine's
 load hits all of them alike). Peak RSS comes from a fresh process per engine (load, then encode every
@@ -19,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from anima_ui.model.adapter import adapt_sequences, open_adapter, rope_tables as adapter_rope_tables
 from anima_ui.model.host import rms_norm
+from anima_ui.model.tensor_file import embedding_rows
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime.memory import peak_rss_bytes
 from anima_ui.text.qwen3 import RMS_NORM_EPS, ROPE_THETA, STORED_DTYPES, Qwen3, Qwen3Shape, layer_shapes, rope_tables
@@ -32,6 +39,7 @@ def add_arguments(parser):
     parser.add_argument("--lengths", type=int, nargs="+", default=[12, 300], help="prompt lengths in Qwen tokens")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-adapter", action="store_true", help="skip the adapter rows")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)  # one engine's peak-RSS process
 
 
@@ -60,7 +68,33 @@ def run(args) -> int:
             peak = peaks[engine]
             print(f"{engine:>7} {len(ids):>7} {np.median(seconds[engine, len(ids)]):8.2f} {diff:>20} "
                   f"{peak['load_seconds']:7.2f} {peak['peak_rss_mb']:12.0f}")
+    if not args.no_adapter:
+        _bench_adapter(args)
     return 0
+
+
+def _bench_adapter(args) -> None:
+    """The adapter engines interleaved in this process, on random Qwen3 states and T5 ids of each length."""
+    weights = open_adapter(ModelPaths.find(args.models).dit)
+    rng = np.random.default_rng(1)
+    source_dim, vocab = weights.shape("blocks.0.cross_attn.k_proj.weight")[1], weights.shape("embed.weight")[0]
+    inputs = [(rng.standard_normal((n, source_dim)).astype(np.float32), rng.integers(0, vocab, n)) for n in args.lengths]
+    engines = {"onnx": lambda source, ids: adapt_sequences(weights, [(source, ids)])[0],
+               "numpy": lambda source, ids: numpy_adapter(weights, source, ids)}
+    seconds = {(engine, len(ids)): [] for engine in engines for _, ids in inputs}
+    outputs = {}
+    for _ in range(args.repeats):
+        for source, ids in inputs:
+            for engine, adapt in engines.items():
+                started = time.perf_counter()
+                outputs[engine, len(ids)] = adapt(source, ids)
+                seconds[engine, len(ids)].append(time.perf_counter() - started)
+    print(f"LLM adapter, {weights.file.path} (median of {args.repeats}; Qwen3 states and T5 ids of the same length)")
+    print(f"{'engine':>7} {'tokens':>7} {'seconds':>8} {'max |diff| vs numpy':>20}")
+    for engine in engines:
+        for _, ids in inputs:
+            diff = np.abs(outputs[engine, len(ids)] - outputs["numpy", len(ids)]).max()
+            print(f"{engine:>7} {len(ids):>7} {np.median(seconds[engine, len(ids)]):8.2f} {diff:20.2e}")
 
 
 def _sequences(lengths, vocab: int) -> list[list[int]]:
@@ -174,3 +208,48 @@ def _rotate(x: np.ndarray, rope) -> np.ndarray:
     cos, sin = rope[0][:, None, :], rope[1][:, None, :]
     half = x.shape[-1] // 2
     return x * cos + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+
+def numpy_adapter(weights, source: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The adapter in NumPy float32, each tensor read from the file when it is used: source [Ls, Cs], ids [Lt]
+    -> [Lt, C]. The maths of model/adapter.py's graphs (exact-erf GELU, no masks)."""
+    x = embedding_rows(weights, "embed.weight", np.asarray(ids, np.int64))
+    head_dim = weights.shape("blocks.0.self_attn.q_norm.weight")[0]
+    target_rope, source_rope = adapter_rope_tables(len(ids), head_dim), adapter_rope_tables(len(source), head_dim)
+    blocks = sum(1 for key in weights if key.startswith("blocks.") and key.endswith(".norm_mlp.weight"))
+    for j in range(blocks):
+        p = f"blocks.{j}."
+        h = rms_norm(x, weights[p + "norm_self_attn.weight"])
+        x = x + _adapter_attention(weights, p + "self_attn.", h, h, target_rope, target_rope)
+        h = rms_norm(x, weights[p + "norm_cross_attn.weight"])
+        x = x + _adapter_attention(weights, p + "cross_attn.", h, source, target_rope, source_rope)
+        h = rms_norm(x, weights[p + "norm_mlp.weight"]) @ weights[p + "mlp.0.weight"].T + weights[p + "mlp.0.bias"]
+        h = (h * (0.5 + 0.5 * _erf(h.astype(np.float64) * 0.5**0.5))).astype(np.float32)
+        x = x + h @ weights[p + "mlp.2.weight"].T + weights[p + "mlp.2.bias"]
+    return rms_norm(x @ weights["out_proj.weight"].T + weights["out_proj.bias"], weights["norm.weight"])
+
+
+# erf(x) ≈ x·P(x²)/Q(x²) on [-4, 4] (±1 beyond): the rational fit Eigen and XLA use for float32 (NumPy has no erf)
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+          -1.42647390514189e-02)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    x = np.clip(x, -4.0, 4.0)
+    return x * np.polyval(_ERF_P, x * x) / np.polyval(_ERF_Q, x * x)
+
+
+def _adapter_attention(weights, prefix: str, x: np.ndarray, context: np.ndarray, rope_q, rope_k) -> np.ndarray:
+    """x [Lq, C], context [Lk, Cs]: q/k/v, per-head RMSNorm on q and k, RoPE on both, no mask, then o_proj."""
+    head_dim = weights.shape(prefix + "q_norm.weight")[0]
+    q = (x @ weights[prefix + "q_proj.weight"].T).reshape(len(x), -1, head_dim)
+    k = (context @ weights[prefix + "k_proj.weight"].T).reshape(len(context), -1, head_dim)
+    v = (context @ weights[prefix + "v_proj.weight"].T).reshape(len(context), -1, head_dim).transpose(1, 0, 2)
+    q = _rotate(rms_norm(q, weights[prefix + "q_norm.weight"]), rope_q).transpose(1, 0, 2)
+    k = _rotate(rms_norm(k, weights[prefix + "k_norm.weight"]), rope_k).transpose(1, 0, 2)
+    scores = (q @ k.transpose(0, 2, 1)) * np.float32(head_dim**-0.5)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return (scores @ v).transpose(1, 0, 2).reshape(len(x), -1) @ weights[prefix + "o_proj.weight"].T

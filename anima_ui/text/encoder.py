@@ -1,15 +1,15 @@
 """Prompt -> DiT cross-attention context: tokenize (ComfyUI rules), Qwen3 final hidden states, the LLM
-adapter over the T5 ids, per-token weights, zero padding to 512. No torch: Qwen3 on onnxruntime, the adapter
-in NumPy, the tokenizers from transformers.
+adapter over the T5 ids, per-token weights, zero padding to 512. No torch: Qwen3 and the adapter on
+onnxruntime, the tokenizers from transformers.
 
-Both networks are read from their files while they run (Qwen3 one layer at a time, the adapter one tensor
+Both networks are read from their files while they run (Qwen3 one layer at a time, the adapter one block
 at a time), so an encoder holds only its tokenizers, the files' headers and Qwen3's layer graph: opening one
 is quick, and dropping it frees everything."""
 
 import numpy as np
 
 from anima_ui.errors import UserError
-from anima_ui.model.adapter import llm_adapter_forward, open_adapter, pad_context
+from anima_ui.model.adapter import adapt_sequences, open_adapter, pad_context
 from anima_ui.model.config import CONTEXT_LEN
 from anima_ui.model.tensor_file import FileTensors
 from anima_ui.text.qwen3 import Qwen3
@@ -42,13 +42,13 @@ class TextEncoder:
         return cls(PromptTokenizer.load(paths.qwen_tokenizer_dir, paths.t5_tokenizer_dir), qwen3, adapter)
 
     def encode(self, prompts: list[str]) -> list[np.ndarray]:
-        """One context float32 [1, 512, C] per prompt, zero beyond its T5 length. Qwen3 reads each layer
-        once for all the prompts."""
+        """One context float32 [1, 512, C] per prompt, zero beyond its T5 length. Qwen3 and the adapter read
+        each layer once for all the prompts."""
         tokens = [self.tokenizer(prompt) for prompt in prompts]
         sources = self.qwen3.final_hidden_states([t.qwen_ids for t in tokens])
+        outs = adapt_sequences(self.adapter_weights, [(source[0], np.array(t.t5_ids, dtype=np.int64)) for t, source in zip(tokens, sources)])
         contexts = []
-        for t, source in zip(tokens, sources):
-            out = llm_adapter_forward(self.adapter_weights, source, np.array([t.t5_ids], dtype=np.int64))
-            out = out * np.asarray(t.t5_weights, dtype=np.float32)[None, :, None]
+        for t, out in zip(tokens, outs):
+            out = out[None] * np.asarray(t.t5_weights, dtype=np.float32)[None, :, None]
             contexts.append(pad_context(out, CONTEXT_LEN).astype(np.float32, copy=False))
         return contexts
