@@ -1,5 +1,9 @@
-"""Step previews: the latent->RGB projection and the taew2_1 tiny decoder against a straightforward
-re-implementation of madebyollin's TAEHV decoder semantics (nn.Sequential, all 4 frames, trim 3)."""
+"""Step previews: the latent->RGB projection and the taew2_1 tiny decoder (an onnxruntime graph, no torch)
+against a straightforward re-implementation of madebyollin's TAEHV decoder semantics (nn.Sequential, all 4
+frames, trim 3) and against the torch last-frame preview the app ran before."""
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,7 +14,10 @@ from safetensors.torch import save_file
 
 from anima_ui.errors import UserError
 from anima_ui.vae.preview import COMFYUI_WAN21_BIAS, COMFYUI_WAN21_FACTORS, latent_to_rgb, preview_image
-from anima_ui.vae.taehv import load_taehv_decoder, taehv_decoder_shapes
+from anima_ui.vae.latent import to_uint8
+from anima_ui.vae.taehv import MEMBLOCKS, N_F, build_taehv_graph, load_taehv_decoder, taehv_decoder_shapes
+from anima_ui.vae.onnx_decoder import ort_session
+from helpers import WITHOUT_TORCH
 from vae_helpers import random_latent
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -142,6 +149,56 @@ def test_taehv_matches_the_reference_semantics(taehv_file):
     assert ours.shape == (48, 80, 3) and ours.dtype == np.uint8
     assert 0.05 < expected.std() and ((expected > 0) & (expected < 1)).mean() > 0.5  # not flat, not clipped
     assert np.abs(ours.astype(np.float32) / 255.0 - expected).max() <= 1.0 / 255.0 + 1e-6
+
+
+def torch_last_frame(w: dict[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+    """The torch preview the app ran before the graph (only the last frame's dependencies, zero memory as a
+    concatenated zero frame), kept here as a second reference."""
+    def conv(x, name, weight=None):
+        weight = w[f"{name}.weight"] if weight is None else weight
+        return F.conv2d(x, weight, w.get(f"{name}.bias"), padding=weight.shape[-1] // 2)
+
+    def memblocks(frames, indices):
+        for index in indices:
+            past = torch.cat([torch.zeros_like(frames[:1]), frames[:-1]], 0)
+            h = F.relu(conv(torch.cat([frames, past], 1), f"{index}.conv.0"))
+            frames = F.relu(conv(F.relu(conv(h, f"{index}.conv.2")), f"{index}.conv.4") + frames)
+        return frames
+
+    x = memblocks(F.relu(conv(torch.tanh(z / 3.0) * 3.0, "1")), MEMBLOCKS[0])
+    x = conv(F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), w["7.conv.weight"]), "8")
+    x = F.conv2d(F.interpolate(memblocks(x, MEMBLOCKS[1]), scale_factor=2.0, mode="nearest"), w["13.conv.weight"])
+    x = memblocks(conv(x.reshape(2, N_F[1], *x.shape[-2:]), "14"), MEMBLOCKS[2])
+    x = F.conv2d(F.interpolate(x[1:], scale_factor=2.0, mode="nearest"), w["19.conv.weight"][-N_F[2]:])
+    return conv(F.relu(conv(x, "20")), "22").clamp(0.0, 1.0)
+
+
+def test_taehv_graph_matches_the_reference_and_the_torch_preview_in_float(taehv_file):
+    path, reference = taehv_file
+    latent = random_latent(7, 5)
+    decoder = load_taehv_decoder(path)
+    ours = ort_session(build_taehv_graph(decoder.w, 7, 5)).run(None, {"latent": latent})[0]
+    with torch.inference_mode():
+        expected = reference_decode(reference, torch.from_numpy(latent)).numpy()
+        before = torch_last_frame({k: torch.from_numpy(v) for k, v in decoder.w.items()}, torch.from_numpy(latent)).numpy()
+    assert ours.shape == expected.shape == before.shape == (1, 3, 56, 40)
+    for name, other in (("madebyollin's semantics", expected), ("the torch preview", before)):
+        print(f"\ntaew2_1 graph vs {name}: max abs {np.abs(ours - other).max():.1e}")
+        assert np.abs(ours - other).max() < 1e-5
+    assert np.abs(to_uint8(ours[0].transpose(1, 2, 0)).astype(int) - to_uint8(before[0].transpose(1, 2, 0))).max() <= 1
+
+
+def test_taehv_preview_imports_no_torch(taehv_file):
+    path, _ = taehv_file
+    code = WITHOUT_TORCH + f"""
+import numpy as np
+from anima_ui.vae.preview import preview_image
+image = preview_image(np.random.default_rng(0).standard_normal((1, 16, 6, 10)).astype(np.float32), 80, taesd_path={str(path)!r})
+assert image.size == (80, 48) and np.asarray(image).std() > 0
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def test_preview_uses_taehv_when_the_file_exists(taehv_file, tmp_path):

@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image
 
 from anima_ui.vae.latent import check_latent, to_uint8
+from anima_ui.vae.taehv import load_taehv_decoder
 
 # [16 latent channels, RGB]
 COMFYUI_WAN21_FACTORS = np.array([
@@ -53,8 +54,6 @@ def preview_image(x0, size: int, taesd_path=None) -> Image.Image:
     """A display preview whose longer side is `size` pixels: the projection upscaled bilinearly, or the
     taew2_1 decode (8x the latent) resized when `taesd_path` names an existing file."""
     if taesd_path is not None and Path(taesd_path).is_file():
-        from anima_ui.vae.taehv import load_taehv_decoder
-
         image = Image.fromarray(load_taehv_decoder(taesd_path).decode(x0), "RGB")
     else:
         image = Image.fromarray(latent_to_rgb(x0), "RGB")
