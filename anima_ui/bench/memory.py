@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from anima_ui.runtime import auto
 from anima_ui.runtime.manifest import Manifest
 
 GB = 1e9
@@ -29,7 +30,8 @@ BUDGET_GB = {"denoise": 2.0, "job": 3.0, "verify": 2.5}
 
 def add_arguments(parser):
     parser.add_argument("--models", required=True, help="model folder with exported/<W>x<H> graphs (full size for the budget)")
-    parser.add_argument("--backend", default="sim", choices=("onnx", "sim"))
+    parser.add_argument("--backend", default="sim", choices=("onnx", "sim", "torch"),
+                        help="torch: checks --backend auto's estimate of what the torch backend needs (no verify row)")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--height", type=int, default=512)
     parser.add_argument("--steps", type=int, default=2)
@@ -48,13 +50,16 @@ def run(args) -> int:
     generation = _run_child([sys.executable, "-m", "anima_ui", "bench", "memory", *_worker_flags(args)])
     measured = json.loads(generation["stdout"].splitlines()[-1])
     measured["process_peak_gb"] = generation["peak_gb"]
-    if not args.no_verify:
+    if not args.no_verify and args.backend != "torch":
         verify = _run_child([sys.executable, "-m", "anima_ui", "verify", "--models", str(args.models), "--backend", args.backend,
                              "--reference", "onnx", "--width", str(args.width), "--height", str(args.height),
                              "--time-scale", str(args.time_scale)])
         measured["verify_peak_gb"] = verify["peak_gb"]
         measured["verify_passed"] = verify["returncode"] == 0
-    measured["contexts"] = _context_share(Path(args.models) / "exported" / f"{args.width}x{args.height}", args.max_contexts)
+    if args.backend == "torch":
+        measured["auto_torch_estimate_gb"] = auto.torch_bytes(auto.model_parameters(Path(args.models))) / GB
+    else:
+        measured["contexts"] = _context_share(Path(args.models) / "exported" / f"{args.width}x{args.height}", args.max_contexts)
     _print_table(args, measured)
     if args.json:
         Path(args.json).write_text(json.dumps(measured, indent=1))
@@ -106,8 +111,13 @@ def _generate_and_measure(args) -> dict:
                 reset_peak_rss()
                 rss_at_start[phase], started = rss_bytes(), time.perf_counter()
     return {"phases_gb": {k: v / GB for k, v in phases.items()}, "rss_at_start_gb": {k: v / GB for k, v in rss_at_start.items()},
-            "seconds": seconds, "host_weights_gb": pipeline.weights.resident_bytes / GB,
-            "peak_open_contexts": pipeline.runtime.peak_open_contexts if pipeline.runtime is not None else 0}
+            "seconds": seconds, "host_weights_gb": _resident_bytes(pipeline.weights) / GB,
+            "peak_open_contexts": getattr(pipeline.runtime, "peak_open_contexts", 0)}
+
+
+def _resident_bytes(weights) -> int:
+    """The graph backends' HostWeights say; the torch backend holds a dict of float32 arrays."""
+    return weights.resident_bytes if hasattr(weights, "resident_bytes") else sum(v.nbytes for v in weights.values())
 
 
 def _context_share(graphs_dir: Path, max_contexts: int) -> dict:
@@ -124,16 +134,21 @@ def _print_table(args, m: dict) -> None:
           f"{args.steps} steps, CFG batch 2, {args.models}")
     print(f"{'phase':>10} {'peak GB':>8} {'RSS at start':>13} {'seconds':>8} {'budget GB':>10}")
     for name, peak in phases.items():
-        budget = BUDGET_GB.get(name, "")
+        budget = BUDGET_GB.get(name, "") if args.backend != "torch" else ""  # the board's budget; a board has no torch
         start = m["rss_at_start_gb"].get(name)
         print(f"{name:>10} {peak:8.2f} {'' if start is None else f'{start:.2f}':>13} {m['seconds'][name]:8.1f} {budget:>10}")
     job = max(phases.values())
-    print(f"{'whole job':>10} {job:8.2f} {'':>13} {'':>8} {BUDGET_GB['job']:>10}   (wait4 of the process: {m['process_peak_gb']:.2f})")
+    job_budget = BUDGET_GB["job"] if args.backend != "torch" else ""
+    print(f"{'whole job':>10} {job:8.2f} {'':>13} {'':>8} {job_budget:>10}   (wait4 of the process: {m['process_peak_gb']:.2f})")
     if "verify_peak_gb" in m:
         print(f"{'verify':>10} {m['verify_peak_gb']:8.2f} {'':>13} {'':>8} {BUDGET_GB['verify']:>10}   "
               f"(verify --backend {args.backend} --reference onnx; {'passed' if m['verify_passed'] else 'FAILED'})")
-    c = m["contexts"]
     added = phases["denoise"] - m["rss_at_start_gb"]["denoise"]
+    if "auto_torch_estimate_gb" in m:
+        print(f"--backend auto's estimate for the torch backend: {m['auto_torch_estimate_gb']:.2f} GB "
+              f"(measured whole job {max(job, m['process_peak_gb']):.2f} GB); the denoise phase added {added:.2f} GB")
+        return
+    c = m["contexts"]
     print(f"host tensors resident (bf16 as stored): {m['host_weights_gb']:.2f} GB")
     print(f"graph contexts, the largest {c['max_contexts']} open at once: {c['fp32_gb']:.2f} GB as float32 onnxruntime "
           f"sessions (sim), {c['fp16_gb']:.2f} GB as FP16 RKNN contexts (board); peak contexts open: {m['peak_open_contexts']}; "
