@@ -57,7 +57,7 @@ def run(args) -> int:
         measured["verify_peak_gb"] = verify["peak_gb"]
         measured["verify_passed"] = verify["returncode"] == 0
     if args.backend == "torch":
-        measured["auto_torch_estimate_gb"] = auto.torch_bytes(auto.model_parameters(Path(args.models))) / GB
+        measured["auto_torch_estimate_gb"] = auto.torch_bytes(auto.dit_parameters(Path(args.models))) / GB
     else:
         measured["contexts"] = _context_share(Path(args.models) / "exported" / f"{args.width}x{args.height}", args.max_contexts)
     _print_table(args, measured)

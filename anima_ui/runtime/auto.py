@@ -3,9 +3,10 @@
 The rule (`choose`, a pure function of `Facts`):
 1. rknn, when rknn-toolkit-lite2 imports, librknnrt.so loads and converted graphs exist for the size asked for
    (for `serve`, which takes its sizes from the converted folders: any converted size);
-2. else torch, when torch is installed and MemAvailable holds what the torch backend keeps: the float32 weights
-   of the DiT, the text encoder and the VAE, plus a quarter for activations and the process (13.1 GiB for the
-   official release; the issue measured 12-14 GB); on a CPU it runs the branches in place, with no graph
+2. else torch, when torch is installed and MemAvailable holds what the torch backend keeps: the float32 DiT
+   without its LLM adapter, plus a quarter for activations, the text encoding, the decode and the process
+   (9.1 GiB for the official release). The text encoder and the adapter are not counted: every backend streams
+   them from their files per prompt and drops them. On a CPU torch runs the branches in place, with no graph
    sessions to build per visit;
 3. else onnx: the branch graphs through onnxruntime, which keeps only the host tensors in memory.
 The simulated board (sim) is never chosen: it only imitates the board's timing."""
@@ -17,13 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anima_ui import modelfiles
+from anima_ui.model.checkpoint import ADAPTER_PREFIX, strip_prefix
 from anima_ui.runtime import board
 from anima_ui.runtime.graphs import ready_graph_folders
 from anima_ui.runtime.memory import GIB, read_meminfo
 
-TORCH_OVERHEAD = 1.25  # activations, the VAE decode and the Python process on top of the float32 weights
-# parameters of the official release (DiT + Qwen3-0.6B + Qwen-Image VAE), for a model folder not downloaded yet
-OFFICIAL_PARAMETERS = 2_091_068_928 + 596_049_920 + 126_892_531
+TORCH_OVERHEAD = 1.25  # activations, text encoding, the VAE decode and the Python process on top of the float32 DiT
+# parameters of the official release's DiT without its LLM adapter, for a model folder not downloaded yet
+OFFICIAL_DIT_PARAMETERS = 2_091_068_928 - 134_663_680
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Facts:
     rknn_sizes: tuple[str, ...]  # converted graph sizes in the model folder ("512x512", ...)
     size: str | None  # the size asked for; None: any converted size will do
     torch: bool  # torch is installed
-    parameters: int  # of the model's DiT, text encoder and VAE
+    dit_parameters: int  # of the model's DiT without its LLM adapter (what the torch backend holds in float32)
     available: int  # MemAvailable, bytes
 
 
@@ -45,8 +47,8 @@ class Choice:
         return f"--backend auto chose {self.backend}: {self.reason}"
 
 
-def torch_bytes(parameters: int) -> int:
-    return int(parameters * 4 * TORCH_OVERHEAD)
+def torch_bytes(dit_parameters: int) -> int:
+    return int(dit_parameters * 4 * TORCH_OVERHEAD)
 
 
 def choose(facts: Facts) -> Choice:
@@ -58,8 +60,8 @@ def choose(facts: Facts) -> Choice:
         no_rknn = f"no NPU runtime ({facts.rknn_blocker})"
     else:
         no_rknn = f"no converted graphs for {facts.size}" if facts.size else "no converted graphs in the model folder"
-    need, have = _size(torch_bytes(facts.parameters)), _size(facts.available)
-    if facts.torch and facts.available >= torch_bytes(facts.parameters):
+    need, have = _size(torch_bytes(facts.dit_parameters)), _size(facts.available)
+    if facts.torch and facts.available >= torch_bytes(facts.dit_parameters):
         return Choice("torch", f"{no_rknn}; torch fits (needs about {need} for this model, {have} available)")
     no_torch = "torch is not installed" if not facts.torch else f"torch would need about {need}, {have} available"
     return Choice("onnx", f"{no_rknn}; {no_torch}")
@@ -77,7 +79,7 @@ def gather(models_dir, width: int | None = None, height: int | None = None, envi
         rknn_sizes=tuple(p.name for p in ready_graph_folders(models, "rknn")),
         size=f"{width}x{height}" if width and height else None,
         torch=importlib.util.find_spec("torch") is not None,
-        parameters=model_parameters(models),
+        dit_parameters=dit_parameters(models),
         available=read_meminfo().get("MemAvailable", 0),
     )
 
@@ -94,19 +96,15 @@ def rknn_blocker(environ) -> str | None:
     return None
 
 
-def model_parameters(models: Path) -> int:
-    """Parameters of the DiT, text encoder and VAE in the folder (from their safetensors headers); the official
-    release's when the files are not there yet."""
+def dit_parameters(models: Path) -> int:
+    """Parameters of the folder's DiT without its LLM adapter (from the safetensors header); the official
+    release's when the file is not there yet."""
     dits = sorted((models / modelfiles.DIT_DIR).glob("*.safetensors"))
-    files = [dits[-1] if dits else None, models / modelfiles.TEXT_ENCODER, models / modelfiles.VAE]
-    if not all(f is not None and f.is_file() for f in files):
-        return OFFICIAL_PARAMETERS
-    return sum(_safetensors_parameters(f) for f in files)
-
-
-def _safetensors_parameters(path: Path) -> int:
-    header, _ = modelfiles.read_safetensors_header(path)
-    return sum(math.prod(entry["shape"]) for key, entry in header.items() if key != "__metadata__")
+    if not dits:
+        return OFFICIAL_DIT_PARAMETERS
+    header, _ = modelfiles.read_safetensors_header(dits[-1])
+    return sum(math.prod(entry["shape"]) for key, entry in header.items()
+               if key != "__metadata__" and not strip_prefix(key).startswith(ADAPTER_PREFIX))
 
 
 def resolve(backend: str, models_dir, width: int | None = None, height: int | None = None) -> tuple[str, str | None]:
