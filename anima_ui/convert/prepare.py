@@ -21,6 +21,7 @@ from anima_ui.convert.export import export_graphs
 from anima_ui.download import download, download_plan
 from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.modelfiles import ModelPaths
+from anima_ui.runtime.memory import peak_rss_bytes, reset_peak_rss
 from anima_ui.vae.npu_decoder import graphs_folder
 from anima_ui.vae.npu_graphs import build_vae_graphs, convert_vae_graphs
 
@@ -135,18 +136,5 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def reset_peak_rss() -> None:
-    """Start a new peak (VmHWM) for this process (Linux: writing 5 to clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
 def peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return peak_rss_bytes() / 2**20
