@@ -26,6 +26,8 @@ sys.meta_path.insert(0, NoTorch())
 sys.modules["torch"] = None  # importlib.util.find_spec("torch") then answers None, as when torch is not installed
 """
 
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")  # Debian's, driven through Playwright
+
 # Gradio 6.31's queue analytics call pandas APIs that pandas 3 deprecates; not ours to fix.
 GRADIO_PANDAS_NOISE = [pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting'"),
                        pytest.mark.filterwarnings("ignore:The copy keyword is deprecated")]

@@ -1,13 +1,12 @@
 """The app in a real browser: Debian's chromium through Playwright (`executable_path`; never `playwright install`),
 on the tiny random-weight model, at a phone and a desktop viewport. Screenshots go to test-artifacts/."""
 
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import GRADIO_PANDAS_NOISE, occupy_worker, start_app
+from helpers import CHROMIUM, GRADIO_PANDAS_NOISE, occupy_worker, start_app
 
 pytestmark = [pytest.mark.browser, *GRADIO_PANDAS_NOISE]
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -15,7 +14,6 @@ playwright_api = pytest.importorskip("playwright.sync_api")
 ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
 PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 2, "is_mobile": True, "has_touch": True}
 DESKTOP = {"viewport": {"width": 1280, "height": 900}, "has_touch": True}
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 # Records every new src of an <img> inside #view with the page clock, so a test can see previews stream.
 RECORD_VIEW = """() => {
