@@ -6,6 +6,7 @@ well-behaved user at 127.0.0.1. Every wait has a watchdog, so the code before th
 hanging them. Tests that would wedge the unprotected server (its worker busy for hours, or its GIL held) come last."""
 
 import asyncio
+import concurrent.futures
 import re
 import shutil
 import statistics
@@ -41,7 +42,9 @@ def form(prompt="a red fox", seed="5", steps=2, size="64x64", cfg=4.0, negative=
 
 
 def run(coroutine, timeout=WATCHDOG):
-    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+    """The scenario on an event loop in a thread of its own (Playwright's sync API keeps one running in this thread)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, asyncio.wait_for(coroutine, timeout)).result()
 
 
 def png_with_parameters(path: Path, text: str, compressed: bool = True) -> Path:
@@ -147,9 +150,10 @@ def test_row6_steps_that_are_not_numbers_get_a_message(server, steps):
 
 
 @pytest.mark.parametrize("prompt,words", [
-    ("(" * 5000 + "cat" + ")" * 5000, ("nest", "5000")),
+    ("(" * 5000 + "cat" + ")" * 5000, ("10003 characters", "limit")),  # the issue's: over the length limit first
+    ("(" * 2000 + "cat" + ")" * 2000, ("nest", "2000")),
     ("(cat:1e309)", ("weight", "1e309")),
-], ids=["5000-deep", "1e309"])
+], ids=["5000-deep", "2000-deep", "1e309"])
 def test_row6_prompt_weights_out_of_bounds_are_refused_at_submit(server, prompt, words):
     async def scenario():
         async with Device(server.url, "127.0.0.4") as stranger:
@@ -308,20 +312,19 @@ def test_row6_login_backs_off_per_address(model, tmp_path):
 
         async def scenario():
             async with Device(child.url, "127.0.0.5") as guesser, Device(child.url, "127.0.0.6") as guest:
-                guesses = [await guesser.login(f"guess-{i}") for i in range(12)]
+                wrong = await guesser.login("guess-0")
+                right_but_waiting = await guesser.login("meetup-pw")  # right after a wrong one: it must wait
+                guesses = [await guesser.login(f"guess-{i}") for i in range(1, 11)]
                 other = await guest.login("meetup-pw")
-                right_but_locked = await guesser.login("meetup-pw")
-                return guesses, other, right_but_locked
+                return wrong, right_but_waiting, guesses, other
 
-        guesses, other, locked = run(scenario())
+        wrong, waiting, guesses, other = run(scenario())
     finally:
         child.stop()
-    codes = [g.status_code for g in guesses]
-    assert codes[0] == 400 and 429 in codes, codes
-    refused = next(g for g in guesses if g.status_code == 429)
-    assert re.search(r"try again in \d+ s", refused.text), refused.text
+    assert wrong.status_code == 400
+    assert waiting.status_code == 429 and re.search(r"try again in \d+ s", waiting.text), waiting.text
+    assert [g.status_code for g in guesses] == [429] * 10  # guesses while waiting are not even checked
     assert other.status_code == 200  # another device is not locked out
-    assert locked.status_code == 429  # the right password does not skip the back-off
 
 
 # -- row 2: limits before work; the text phase and the final decode stop on Stop -------------------------------------
