@@ -2,19 +2,20 @@
 
 Format and parser follow AUTOMATIC1111/stable-diffusion-webui `modules/processing.py create_infotext()` and
 `modules/infotext_utils.py parse_generation_parameters()`, so A1111, Forge, SD.Next and civitai-style readers load
-our images, and we load theirs.
+our images, and we load theirs. The text comes from strangers' PNGs: it is capped in length, and the parameters line
+is read by a scanner that finds the same pairs as A1111's regex in linear time (the regex, tried at every position,
+takes quadratic time on a long line without pairs, and holds the GIL while it does).
 """
 
 import json
 import re
 
 from anima_ui.errors import UserError
+from anima_ui.limits import check_infotext_length
 from anima_ui.sampling.spectrum import PARAMETERS, SETTINGS, canonical
 
 VERSION = "anima-ui 0.1.0"
 
-# A1111's own regexes, unchanged: a `key: value` pair where value may be a JSON-quoted string.
-PARAM_RE = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
 SIZE_RE = re.compile(r"^(\d+)x(\d+)$")
 
 
@@ -43,9 +44,11 @@ def join_infotext(prompt: str, negative: str, params: dict) -> str:
 
 
 def parse_infotext(text: str) -> tuple[str, str, dict]:
-    """A1111's parser: -> (prompt, negative prompt, params). `Size: WxH` becomes `Size-1` (W) and `Size-2` (H)."""
-    *lines, last_line = text.strip().split("\n")
-    if len(PARAM_RE.findall(last_line)) < 3:
+    """A1111's parser: -> (prompt, negative prompt, params). `Size: WxH` becomes `Size-1` (W) and `Size-2` (H).
+    UserError when the text is over the length limit."""
+    *lines, last_line = check_infotext_length(text).strip().split("\n")
+    pairs = param_pairs(last_line)
+    if len(pairs) < 3:
         lines.append(last_line)
         last_line = ""
     prompt_lines, negative_lines = [], []
@@ -57,7 +60,7 @@ def parse_infotext(text: str) -> tuple[str, str, dict]:
             line = line[len("Negative prompt:"):].strip()
         (negative_lines if in_negative else prompt_lines).append(line)
     params = {}
-    for key, value in PARAM_RE.findall(last_line):
+    for key, value in pairs if last_line else []:
         value = unquote(value)
         size = SIZE_RE.match(value)
         if size:
@@ -65,6 +68,41 @@ def parse_infotext(text: str) -> tuple[str, str, dict]:
         else:
             params[key] = value
     return "\n".join(prompt_lines), "\n".join(negative_lines), params
+
+
+def param_pairs(line: str) -> list[tuple[str, str]]:
+    """The (key, value) pairs A1111's `re.findall(r'\\s*(\\w[\\w \\-/]+):\\s*("(?:\\\\.|[^\\\\"])+"|[^,]*)(?:,|$)', line)`
+    finds, in one pass. Tried at a position, that pattern has one way to match: the key is the whole run of key
+    characters after the first word character and must end at a colon; a quoted value ends at the first quote not
+    escaped by an odd run of backslashes and must be followed by a comma or the end, else the value runs to the next
+    comma. Tables of where each run ends make every try O(1)."""
+    n = len(line)
+    key_end, space_end, comma, quote = [n] * (n + 1), [n] * (n + 1), [n] * (n + 1), [n] * (n + 1)
+    backslashes = [0] * (n + 1)  # backslashes[i]: the length of the backslash run ending just before i
+    for i, char in enumerate(line):
+        backslashes[i + 1] = backslashes[i] + 1 if char == "\\" else 0
+    for i in range(n - 1, -1, -1):
+        char = line[i]
+        key_end[i] = key_end[i + 1] if char.isalnum() or char in "_ -/" else i
+        space_end[i] = space_end[i + 1] if char.isspace() else i
+        comma[i] = i if char == "," else comma[i + 1]
+        quote[i] = i if char == '"' and backslashes[i] % 2 == 0 else quote[i + 1]
+    pairs, pos = [], 0
+    while pos < n:
+        start = space_end[pos]
+        colon = key_end[start + 1] if start < n and (line[start].isalnum() or line[start] == "_") else n
+        if colon >= n or colon < start + 2 or line[colon] != ":":
+            pos += 1
+            continue
+        value = space_end[colon + 1]
+        close = quote[value + 1] if value < n and line[value] == '"' else n
+        if close < n and close > value + 1 and (close + 1 == n or line[close + 1] == ","):
+            end = close + 1
+        else:
+            end = comma[value]
+        pairs.append((line[start:colon], line[value:end]))
+        pos = end + 1 if end < n else n
+    return pairs
 
 
 def spectrum_config_text(config: dict) -> str:

@@ -1,12 +1,14 @@
 """What one generation is asked to do. A `GenerationRequest` is checked once, when it is made, against the limits in
 `anima_ui.limits`: an invalid request cannot exist, so the form, the job manager, `anima-ui generate` and the
-pipeline take any request they are handed as valid."""
+pipeline take any request they are handed as valid. (The prompts' token counts need the model's tokenizer: the text
+encoder checks them, before it runs.)"""
 
 from dataclasses import dataclass, field
 
 from anima_ui.errors import UserError
-from anima_ui.limits import check_cfg, check_seed, check_side, check_steps
+from anima_ui.limits import check_cfg, check_prompt_length, check_seed, check_side, check_steps
 from anima_ui.sampling.spectrum import plan
+from anima_ui.text.prompt_weights import parse_prompt_weights
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class GenerationRequest:
     def __post_init__(self):
         if not isinstance(self.prompt, str) or not isinstance(self.negative, str):
             raise UserError("the prompt and the negative prompt must be text")
+        for name, text in (("prompt", self.prompt), ("negative prompt", self.negative)):
+            parse_prompt_weights(check_prompt_length(name, text))  # raises UserError naming a bad nesting or weight
         check_steps(self.steps)
         check_seed(self.seed)
         check_cfg(self.cfg)

@@ -1,3 +1,6 @@
+import random
+import re
+
 import pytest
 
 from anima_ui.errors import UserError
@@ -5,10 +8,15 @@ from anima_ui.infotext import (
     format_infotext,
     format_seconds,
     join_infotext,
+    param_pairs,
     parse_infotext,
     settings_from_infotext,
 )
+from anima_ui.limits import MAX_INFOTEXT_CHARS
 from anima_ui.request import GenerationRequest
+
+# A1111's own regex (modules/infotext_utils.py re_param_code), the oracle for our one-pass scanner.
+A1111_PARAM_RE = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
 
 # Verbatim A1111 v1.10 output (modules/processing.py create_infotext), from gradio_ui.md §3.3.
 A1111_TEXT = (
@@ -104,3 +112,32 @@ def test_text_without_parameters_is_a_user_error():
 @pytest.mark.parametrize("seconds,text", [(3.14, "3.1s"), (42, "42s"), (83.2, "1m23s"), (3725, "1h02m")])
 def test_format_seconds(seconds, text):
     assert format_seconds(seconds) == text
+
+
+def test_the_scanner_finds_what_a1111s_regex_finds():
+    # Random lines over the characters the pattern cares about (key characters, colons, commas, quotes, backslashes,
+    # Unicode letters, digits and spaces): every one gives the same pairs.
+    alphabet = list("abZ1_ ::,,\"\"\\\\-/.x") + ["é", "²", "½", "\t", "\x1c", "\xa0", "\u2028"]
+    rng = random.Random(0)
+    for _ in range(20000):
+        line = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24)))
+        assert param_pairs(line) == A1111_PARAM_RE.findall(line), repr(line)
+    assert param_pairs(A1111_TEXT.splitlines()[-1]) == A1111_PARAM_RE.findall(A1111_TEXT.splitlines()[-1])
+
+
+@pytest.mark.parametrize("line", [
+    "a" * 4000,  # no colon anywhere: the regex tries a key at every position and scans to the end each time
+    'k: "a, ' * 600,  # quotes that never close: the regex scans to the end from every key
+    "x:" + " " * 4000,
+], ids=["letters", "open-quotes", "spaces"])
+def test_the_regexs_slow_lines_give_the_same_pairs(line):
+    assert param_pairs(line) == A1111_PARAM_RE.findall(line)
+
+
+def test_a_parameters_text_over_the_limit_is_refused_unread():
+    text = "p\n" + "a" * 1_000_000  # the issue's 1 KB PNG: 1 MB of text on one line
+    with pytest.raises(UserError, match="is 1000002 characters long; the limit is 16384") as info:
+        parse_infotext(text)
+    assert "\n" not in str(info.value)
+    prompt, _, params = parse_infotext("a" * (MAX_INFOTEXT_CHARS - 40) + "\nSteps: 4, Seed: 1, Size: 64x64")
+    assert params["Seed"] == "1" and len(prompt) == MAX_INFOTEXT_CHARS - 40

@@ -4,7 +4,9 @@ import pytest
 from transformers import Qwen2Tokenizer, T5TokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from anima_ui.errors import UserError
 from anima_ui.fixtures.model import write_random_model
+from anima_ui.limits import MAX_PROMPT_NESTING
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.text.prompt_weights import parse_prompt_weights
 from anima_ui.text.tokenize import PromptTokenizer
@@ -88,6 +90,20 @@ def test_comfyui_weight_syntax(prompt, segments):
     parsed = parse_prompt_weights(prompt)
     assert [text for text, _ in parsed] == [text for text, _ in segments]
     assert [weight for _, weight in parsed] == pytest.approx([weight for _, weight in segments])
+
+
+def test_weights_and_nesting_are_bounded_and_the_parse_is_linear():
+    # 10 levels deep (the limit) with a long text inside: each level copies its group once, so the work is about
+    # 10 times the prompt, never its square.
+    deep = "(" * MAX_PROMPT_NESTING + "x " * 2000 + ")" * MAX_PROMPT_NESTING
+    [(text, weight)] = parse_prompt_weights(deep)
+    assert text == "x " * 2000 and weight == pytest.approx(1.1 ** MAX_PROMPT_NESTING)
+    assert parse_prompt_weights("(a:-2.5) (b:1e1)") == [("a", -2.5), (" ", 1.0), ("b", 10.0)]
+    with pytest.raises(UserError, match="nests parentheses 5000 deep"):
+        parse_prompt_weights("(" * 5000 + "cat" + ")" * 5000)
+    for weight in ("1e309", "inf", "nan", "-11"):
+        with pytest.raises(UserError, match=f"the weight in '\\(cat:{weight}\\)' is out of range"):
+            parse_prompt_weights(f"a (cat:{weight}) b")
 
 
 def test_weighted_segments_are_tokenized_separately_and_weight_only_t5(tokenizer):
