@@ -65,11 +65,14 @@ def check_prompt_length(name: str, text: str) -> str:
     return text
 
 
-def check_prompt_tokens(name: str, qwen_tokens: int, t5_tokens: int) -> None:
+def check_prompt_tokens(prompt: str, qwen_tokens: int, t5_tokens: int) -> None:
+    """`prompt` is quoted (its start) in the message, so it names which of the two prompts is too long."""
     if t5_tokens > MAX_T5_TOKENS:
-        raise UserError(f"the {name} is {t5_tokens} T5 tokens long; the limit is {MAX_T5_TOKENS}: shorten it")
+        raise UserError(f"the prompt {_excerpt(prompt)} is {t5_tokens} T5 tokens long; the limit is {MAX_T5_TOKENS}: "
+                        "shorten it")
     if qwen_tokens > MAX_QWEN_TOKENS:
-        raise UserError(f"the {name} is {qwen_tokens} Qwen tokens long; the limit is {MAX_QWEN_TOKENS}: shorten it")
+        raise UserError(f"the prompt {_excerpt(prompt)} is {qwen_tokens} Qwen tokens long; the limit is "
+                        f"{MAX_QWEN_TOKENS}: shorten it")
 
 
 def check_prompt_weight(group: str, weight: float) -> float:

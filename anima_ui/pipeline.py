@@ -159,7 +159,7 @@ class Pipeline:
 
         yield PhaseEvent("text")
         t0 = time.perf_counter()
-        kv, rope = self._conditioning(request)
+        kv, rope = self._conditioning(request, cancel)
         seconds["text"] = time.perf_counter() - t0
         _check(cancel)
 
@@ -205,12 +205,12 @@ class Pipeline:
         kv, rope = self._conditioning(request)
         return self._x0_predictor(request, kv, rope, self.open_runtime({}, None, threading.Event()))
 
-    def contexts(self, prompts: list[str]) -> list[np.ndarray]:
+    def contexts(self, prompts: list[str], cancel: threading.Event | None = None) -> list[np.ndarray]:
         """Read-only contexts [1, 512, C], from the cache when the prompt was encoded recently; a text encoder
         is opened for the others and dropped once they are encoded."""
         missing = [p for p in dict.fromkeys(prompts) if p not in self._contexts]
         if missing:
-            for prompt, context in zip(missing, TextEncoder.load(self.paths).encode(missing)):
+            for prompt, context in zip(missing, TextEncoder.load(self.paths).encode(missing, cancel)):
                 context.flags.writeable = False
                 self._contexts[prompt] = context
         for prompt in prompts:
@@ -220,8 +220,9 @@ class Pipeline:
             self._contexts.popitem(last=False)
         return contexts
 
-    def _conditioning(self, request):
-        contexts = self.contexts([request.prompt, request.negative] if request.uses_uncond else [request.prompt])
+    def _conditioning(self, request, cancel: threading.Event | None = None):
+        contexts = self.contexts([request.prompt, request.negative] if request.uses_uncond else [request.prompt],
+                                 cancel)
         kv = prepare_kv(self.weights, np.concatenate(contexts, axis=0))
         rope = prepare_rope(self.config, request.height // 8, request.width // 8)
         return kv, rope

@@ -61,6 +61,12 @@ struct AnimaVae {
     }
 };
 
+// ggml's CPU backend asks this between graph nodes; a non-zero flag ends the compute (the decode then fails, and
+// the caller, which set the flag, reports a cancellation). Stop during the final decode takes effect within a node.
+bool cancel_requested(void* flag) {
+    return __atomic_load_n(static_cast<const int*>(flag), __ATOMIC_RELAXED) != 0;
+}
+
 uint8_t float_to_u8(float value) {  // same rounding as sd.cpp's preprocessing_float_to_u8
     if (value <= 0.0f) {
         return 0;
@@ -158,6 +164,13 @@ int anima_vae_decode(void* handle, const float* latent, int w, int h, int tiled,
         }
     }
     return 0;
+}
+
+// flag: an int the caller sets to non-zero (from any thread) to stop a running decode; nullptr: nothing stops it.
+void anima_vae_set_cancel(void* handle, const int* flag) {
+    auto* vae = static_cast<AnimaVae*>(handle);
+    ggml_backend_cpu_set_abort_callback(vae->backend, flag != nullptr ? cancel_requested : nullptr,
+                                        const_cast<int*>(flag));
 }
 
 void anima_vae_free(void* handle) {

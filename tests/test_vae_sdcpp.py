@@ -1,10 +1,12 @@
 """The native stable-diffusion.cpp decoder (native/build/libanima_vae.so, built by scripts/setup.sh)
 against diffusers on the same random full-size weights (sd.cpp's WanVAE has the width 96 built in)."""
 
+import threading
+
 import numpy as np
 import pytest
 
-from anima_ui.errors import UserError
+from anima_ui.errors import Cancelled, UserError
 from anima_ui.metrics import psnr
 from anima_ui.vae.sdcpp import LIBRARY, NativeDecoderUnavailable, SdcppDecoder, cpu_has_native_bf16
 from anima_ui.vae.wan_decoder import load_vae_decoder
@@ -86,3 +88,16 @@ def test_bf16_detection_reads_cpu_flags():
     assert not cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n")
     assert cpu_has_native_bf16("processor\t: 0\nFeatures\t: fp asimd fphp asimdhp bf16 i8mm\n")
     assert not cpu_has_native_bf16("processor\t: 0\nFeatures\t: fp asimd fphp asimdhp asimddp\n")  # Cortex-A76
+
+
+def test_stop_ends_a_decode_inside_the_library(full_vae, sdcpp_images):
+    path, latent, _ = full_vae
+    stop = threading.Event()
+    stop.set()  # set before the call: the library must not decode a single graph node
+    with SdcppDecoder(path, threads=1) as decoder:
+        assert hasattr(decoder._lib, "anima_vae_set_cancel"), "the library predates its cancel hook: run scripts/build_sdcpp_vae.sh"
+        with pytest.raises(Cancelled):
+            decoder.decode(latent, tiled=True, tile=TILE, overlap=0.5, cancel=stop)
+        assert decoder._lib.anima_vae_last_error()  # the compute was stopped: the library reports a failed decode
+        # The stop is for that decode only: the next one runs to the end, as before.
+        np.testing.assert_array_equal(decoder.decode(latent, tiled=False, cancel=threading.Event()), sdcpp_images[0])

@@ -9,6 +9,7 @@ is quick, and dropping it frees everything."""
 import numpy as np
 
 from anima_ui.errors import UserError
+from anima_ui.limits import check_prompt_tokens
 from anima_ui.model.adapter import adapt_sequences, open_adapter, pad_context
 from anima_ui.model.config import CONTEXT_LEN
 from anima_ui.model.tensor_file import FileTensors
@@ -41,11 +42,15 @@ class TextEncoder:
         qwen3, adapter = open_networks(paths)
         return cls(PromptTokenizer.load(paths.qwen_tokenizer_dir, paths.t5_tokenizer_dir), qwen3, adapter)
 
-    def encode(self, prompts: list[str]) -> list[np.ndarray]:
+    def encode(self, prompts: list[str], cancel=None) -> list[np.ndarray]:
         """One context float32 [1, 512, C] per prompt, zero beyond its T5 length. Qwen3 and the adapter read
-        each layer once for all the prompts."""
+        each layer once for all the prompts. Every prompt's token counts are checked (UserError) before Qwen3 runs:
+        the tokenizers take milliseconds on a prompt within the character limit. `cancel` (a threading.Event) stops
+        Qwen3 between layers."""
         tokens = [self.tokenizer(prompt) for prompt in prompts]
-        sources = self.qwen3.final_hidden_states([t.qwen_ids for t in tokens])
+        for prompt, t in zip(prompts, tokens):
+            check_prompt_tokens(prompt, len(t.qwen_ids), len(t.t5_ids))
+        sources = self.qwen3.final_hidden_states([t.qwen_ids for t in tokens], cancel)
         outs = adapt_sequences(self.adapter_weights, [(source[0], np.array(t.t5_ids, dtype=np.int64)) for t, source in zip(tokens, sources)])
         contexts = []
         for t, out in zip(tokens, outs):

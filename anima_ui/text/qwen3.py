@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from anima_ui.errors import UserError
+from anima_ui.errors import Cancelled, UserError
 from anima_ui.model.host import rms_norm
 from anima_ui.model.tensor_file import STORED_DTYPES, TensorFile
 
@@ -106,10 +106,11 @@ class Qwen3:
         options.log_severity_level = 3
         self.session = ort.InferenceSession(layer_graph(self.shape), options, providers=["CPUExecutionProvider"])
 
-    def final_hidden_states(self, sequences: list[list[int]]) -> list[np.ndarray]:
+    def final_hidden_states(self, sequences: list[list[int]], cancel=None) -> list[np.ndarray]:
         """The last layer's output after the final RMSNorm, float32 [1, len(ids), hidden] per sequence of
         token ids. Each sequence runs alone under the causal mask with no other mask, as ComfyUI computes it;
-        each layer is read once for all of them."""
+        each layer is read once for all of them. Once `cancel` (a threading.Event) is set, the pass stops before its
+        next layer with Cancelled (Stop in the text phase)."""
         for ids in sequences:
             bad = [i for i in ids if not 0 <= i < self.shape.vocab]
             if bad:
@@ -124,6 +125,8 @@ class Qwen3:
         staging = {name: np.empty(shape, STORED_DTYPES[stored[name]]) for name, shape in shapes.items()}
         inputs = {f"w{j}": weights[name] for j, name in enumerate(shapes)}
         for i in range(self.shape.layers):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("cancelled")
             for name in shapes:
                 self.file.read_into(f"model.layers.{i}.{name}", weights[name], staging[name])
             xs = [self.session.run(None, {"x": x, **feed, **inputs})[0] for x, feed in zip(xs, feeds)]

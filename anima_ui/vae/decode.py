@@ -20,7 +20,8 @@ def decode_latent(latent, vae_path, prefer: str = "sdcpp", tiled: bool = True, t
                   cancel=None) -> tuple[Image.Image, str, str | None]:
     """Model-space latent [1,16,h,w] -> (RGB image, decoder name, warning or None).
     npu: the NPU decoder's options (backend, layout, time_scale, core_mask; see npu_decoder.decode_for_model);
-    cancel: a threading.Event it checks between graphs."""
+    cancel: a threading.Event; once set, the decode stops with Cancelled (between graphs or tiles, and within a
+    tile where the native library can)."""
     if prefer not in DECODERS:
         raise UserError(f"unknown VAE decoder {prefer!r}; use one of {', '.join(DECODERS)}")
     latent = check_latent(latent)
@@ -31,10 +32,11 @@ def decode_latent(latent, vae_path, prefer: str = "sdcpp", tiled: bool = True, t
     if prefer == "sdcpp":
         try:
             with SdcppDecoder(vae_path, threads=threads) as decoder:
-                pixels = decoder.decode(latent, tiled=tiled, tile=tile, overlap=overlap)
+                pixels = decoder.decode(latent, tiled=tiled, tile=tile, overlap=overlap, cancel=cancel)
             return Image.fromarray(pixels, "RGB"), "sdcpp", None
         except NativeDecoderUnavailable as exc:
             warning = f"stable-diffusion.cpp VAE unavailable ({exc}); decoded with the onnx decoder"
-    pixels = OnnxDecoder(vae_path, threads=threads).decode(latent, tiled=tiled, tile=tile, overlap=overlap)
+    pixels = OnnxDecoder(vae_path, threads=threads).decode(latent, tiled=tiled, tile=tile, overlap=overlap,
+                                                           cancel=cancel)
     return Image.fromarray(pixels, "RGB"), "onnx", warning
 

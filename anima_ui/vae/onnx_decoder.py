@@ -41,16 +41,18 @@ class OnnxDecoder:
             self._sessions[h, w, clip] = ort_session(graph, self.threads)
         return self._sessions[h, w, clip].run(None, {"latent": latent})[0]
 
-    def decode_float(self, latent, tiled: bool = False, tile: int = 32, overlap: float = 0.5) -> np.ndarray:
-        """Model-space latent [1,16,h,w] -> float image [8h,8w,3] in [0,1]."""
+    def decode_float(self, latent, tiled: bool = False, tile: int = 32, overlap: float = 0.5,
+                     cancel=None) -> np.ndarray:
+        """Model-space latent [1,16,h,w] -> float image [8h,8w,3] in [0,1]. `cancel` (a threading.Event) stops a
+        tiled decode between tiles."""
         latent = check_latent(latent)
         if tiled:
             # tiles are blended before clamping, as sd.cpp does
-            out = decode_tiled(lambda t: self._run(t, clip=False), latent, tile, overlap)
+            out = decode_tiled(lambda t: self._run(t, clip=False), latent, tile, overlap, cancel)
         else:
             out = self._run(latent, clip=True)
         return np.clip(out[0].transpose(1, 2, 0), 0.0, 1.0)
 
-    def decode(self, latent, tiled: bool = False, tile: int = 32, overlap: float = 0.5) -> np.ndarray:
+    def decode(self, latent, tiled: bool = False, tile: int = 32, overlap: float = 0.5, cancel=None) -> np.ndarray:
         """Model-space latent [1,16,h,w] -> uint8 RGB [8h,8w,3]."""
-        return to_uint8(self.decode_float(latent, tiled, tile, overlap))
+        return to_uint8(self.decode_float(latent, tiled, tile, overlap, cancel))

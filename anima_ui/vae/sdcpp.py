@@ -7,11 +7,13 @@ as sd.cpp's decode_first_stage does.
 
 import ctypes
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from anima_ui.errors import UserError
+from anima_ui.errors import Cancelled, UserError
 from anima_ui.vae.latent import SCALE, check_latent
 
 LIBRARY = Path(__file__).resolve().parents[2] / "native" / "build" / "libanima_vae.so"
@@ -76,6 +78,9 @@ def _load_library(path: Path) -> ctypes.CDLL:
     lib.anima_vae_free.argtypes = [ctypes.c_void_p]
     lib.anima_vae_last_error.restype = ctypes.c_char_p
     lib.anima_vae_last_error.argtypes = []
+    if hasattr(lib, "anima_vae_set_cancel"):  # a library built before it existed decodes to the end
+        lib.anima_vae_set_cancel.restype = None
+        lib.anima_vae_set_cancel.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
     return lib
 
 
@@ -103,15 +108,19 @@ class SdcppDecoder:
             raise UserError(f"stable-diffusion.cpp cannot load the VAE {vae_path.name}: {reason}; "
                             "use vae/qwen_image_vae.safetensors from the Anima release")
 
-    def decode(self, latent, tiled: bool = True, tile: int = 32, overlap: float = 0.5) -> np.ndarray:
-        """Model-space latent [1,16,h,w] -> uint8 RGB [8h, 8w, 3]."""
+    def decode(self, latent, tiled: bool = True, tile: int = 32, overlap: float = 0.5, cancel=None) -> np.ndarray:
+        """Model-space latent [1,16,h,w] -> uint8 RGB [8h, 8w, 3]. Once `cancel` (a threading.Event) is set, the
+        library stops at its next graph node and this raises Cancelled."""
         if not self._ctx:
             raise RuntimeError("decode() after close()")
         latent = check_latent(latent)
         _, _, h, w = latent.shape
         out = np.empty((h * SCALE, w * SCALE, 3), dtype=np.uint8)
-        status = self._lib.anima_vae_decode(self._ctx, latent.ctypes.data, w, h, int(tiled), tile, overlap,
-                                            out.ctypes.data)
+        with _cancel_flag(self._lib, self._ctx, cancel):
+            status = self._lib.anima_vae_decode(self._ctx, latent.ctypes.data, w, h, int(tiled), tile, overlap,
+                                                out.ctypes.data)
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("cancelled")
         if status != 0:
             reason = self._lib.anima_vae_last_error().decode(errors="replace").strip()
             raise RuntimeError(f"stable-diffusion.cpp VAE decode failed: {reason}")
@@ -127,3 +136,30 @@ class SdcppDecoder:
 
     def __exit__(self, *exc):
         self.close()
+
+
+
+@contextmanager
+def _cancel_flag(lib, ctx, cancel):
+    """While a decode runs, a thread copies `cancel` (a threading.Event) into the int the library polls between
+    graph nodes: the decode runs without the GIL, so the flag must be readable without Python."""
+    if cancel is None or not hasattr(lib, "anima_vae_set_cancel"):
+        yield
+        return
+    flag, done = ctypes.c_int(int(cancel.is_set())), threading.Event()
+
+    def relay():
+        while not done.is_set():
+            if cancel.wait(0.05):
+                flag.value = 1
+                return
+
+    lib.anima_vae_set_cancel(ctx, ctypes.byref(flag))
+    thread = threading.Thread(target=relay, name="anima-vae-cancel", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        lib.anima_vae_set_cancel(ctx, None)

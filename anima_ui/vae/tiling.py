@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from anima_ui.errors import UserError
+from anima_ui.errors import Cancelled, UserError
 from anima_ui.vae.latent import SCALE
 
 
@@ -68,9 +68,10 @@ def _tile_origins(length: int, tile: int, step: int) -> list[tuple[int, int]]:
     return origins
 
 
-def decode_tiled(decode, latent: np.ndarray, tile: int = 32, overlap: float = 0.5) -> np.ndarray:
+def decode_tiled(decode, latent: np.ndarray, tile: int = 32, overlap: float = 0.5, cancel=None) -> np.ndarray:
     """Decode a latent [1,16,h,w] tile by tile with `decode` ([1,16,th,tw] -> [1,3,8th,8tw], unclamped) and
-    blend exactly like sd.cpp's tiled VAE decode. Returns [1,3,8h,8w] (not clamped: clamp after blending)."""
+    blend exactly like sd.cpp's tiled VAE decode. Returns [1,3,8h,8w] (not clamped: clamp after blending).
+    Once `cancel` (a threading.Event) is set, Cancelled is raised before the next tile (Stop in the final decode)."""
     _, _, h, w = latent.shape
     overlap = min(max(overlap, 0.0), 0.5)
     tile_x, tile_y = tile_size(tile, w), tile_size(tile, h)
@@ -81,6 +82,8 @@ def decode_tiled(decode, latent: np.ndarray, tile: int = 32, overlap: float = 0.
     out = np.zeros((1, 3, h * SCALE, w * SCALE), dtype=np.float32)
     for y, skip_y in _tile_origins(h, tile_y, tile_y - overlap_y):
         for x, skip_x in _tile_origins(w, tile_x, tile_x - overlap_x):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("cancelled")
             pixels = decode(np.ascontiguousarray(latent[:, :, y:y + tile_y, x:x + tile_x]))
             oy, ox, th, tw = y * SCALE, x * SCALE, tile_y * SCALE, tile_x * SCALE
             sy, sx = skip_y * SCALE, skip_x * SCALE
