@@ -5,8 +5,13 @@ drops its connection only loses a watcher: the job goes on and a reloaded page r
 (Measured with Gradio 6.31: a disconnect closes a generator event at its next yield, and Stop frees the event's
 concurrency slot while the running step is still running, so a generation that lived inside an event would die
 with the phone's connection, and a second one could start beside it.)
+
+The queue takes in what `QueueLimits` allow (jobs in line, jobs in line per device, the size of one job), so one
+client cannot fill it. Watchers wait for changes without holding a thread: `changed` is awaited on the event loop,
+and one future per loop, resolved by the worker, wakes all of them.
 """
 
+import asyncio
 import logging
 import queue
 import shutil
@@ -29,6 +34,25 @@ FINISHED = ("done", "cancelled", "error")
 KEEP_FINISHED_JOBS = 200  # finished jobs stay watchable (re-attach after a long sleep) up to this many
 KEEP_PREVIEW_DIRS = 20  # preview JPEGs of older jobs are deleted
 
+# The largest job (width x height x steps) a backend takes, about what it finishes in reasonable time: on the board
+# (rknn, and sim, which plays the board) 1024x1024 at 30 steps is 10-40 minutes; a PC's onnx or torch does more.
+PIXEL_STEP_BUDGETS = {"rknn": 1024 * 1024 * 30, "sim": 1024 * 1024 * 30, "onnx": 1024 * 1024 * 60,
+                      "torch": 1024 * 1024 * 60}
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """What the queue takes in; None is no limit. A refusal names the limit it hit."""
+
+    max_jobs: int | None = 20  # jobs in line, the running one included
+    max_jobs_per_client: int | None = 2  # jobs in line from one device (client address)
+    max_pixel_steps: int | None = None  # width x height x steps of one job
+
+    @classmethod
+    def for_backend(cls, backend: str, **overrides) -> "QueueLimits":
+        """The defaults, with the backend's budget; `overrides` set any of the three (None: no limit)."""
+        return cls(**{"max_pixel_steps": PIXEL_STEP_BUDGETS.get(backend), **overrides})
+
 
 @dataclass
 class Job:
@@ -47,6 +71,7 @@ class Job:
     started: float | None = None
     finished: float | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    owner: str | None = None  # the submitting device's address (None: the command line, a test)
 
     @property
     def total(self) -> int:
@@ -60,7 +85,8 @@ class Job:
 
 
 class JobManager:
-    def __init__(self, load_pipeline, history: History, previews_dir: Path, preview_size: int = 384):
+    def __init__(self, load_pipeline, history: History, previews_dir: Path, preview_size: int = 384,
+                 limits: QueueLimits = QueueLimits()):
         """load_pipeline() -> Pipeline is called in the worker thread, at start and again after a failed load,
         so a missing model file shows up as a failed job, not as a dead app."""
         self._load_pipeline = load_pipeline
@@ -69,26 +95,63 @@ class JobManager:
         self.history = history
         self.previews_dir = Path(previews_dir)
         self.preview_size = preview_size
+        self.limits = limits
+        # Every job id starts with this run's prefix, so an id this run made and forgot reads as expired, and any
+        # other as made before a restart (the random rest keeps ids unguessable: a session is only a list of ids).
+        self.run_prefix = uuid.uuid4().hex[:4]
         self._jobs: dict[str, Job] = {}
         self._order: list[str] = []  # submission order, for queue positions
         self._queue: queue.Queue = queue.Queue()
         self._changed = threading.Condition()
+        self._loop_waiters: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}
         self.version = 0  # bumped on every change any watcher may care about
         self._worker = threading.Thread(target=self._work, name="anima-npu-worker", daemon=True)
         self._worker.start()
 
     # -- called from Gradio events (any thread) ----------------------------------------------------------------------
-    def submit(self, request: GenerationRequest, preview_method: str = "projection") -> Job:
-        job = Job(id=uuid.uuid4().hex[:12], request=request, preview_method=preview_method)
+    def submit(self, request: GenerationRequest, preview_method: str = "projection", owner: str | None = None) -> Job:
+        return self.submit_all([request], preview_method, owner)[0]
+
+    def submit_all(self, requests: list[GenerationRequest], preview_method: str = "projection",
+                   owner: str | None = None) -> list[Job]:
+        """Queue every request or none (an A/B pair is two): UserError naming the limit the jobs would break."""
+        jobs = [Job(id=self.run_prefix + uuid.uuid4().hex[:8], request=r, preview_method=preview_method, owner=owner)
+                for r in requests]
         with self._changed:
-            self._jobs[job.id] = job
-            self._order.append(job.id)
+            self._admit(requests, owner)
+            for job in jobs:
+                self._jobs[job.id] = job
+                self._order.append(job.id)
             self._bump()
-        self._queue.put(job)
-        return job
+        for job in jobs:
+            self._queue.put(job)
+        return jobs
+
+    def _admit(self, requests: list[GenerationRequest], owner: str | None) -> None:
+        """Called under the lock, so two devices cannot both take the last place in line."""
+        limits = self.limits
+        for r in requests:
+            if limits.max_pixel_steps is not None and r.width * r.height * r.steps > limits.max_pixel_steps:
+                raise UserError(
+                    f"{r.width}x{r.height} at {r.steps} steps is more than this board takes in one job: the limit is "
+                    f"{limits.max_pixel_steps / 2**20:g} megapixel-steps (width x height x steps; 1024x1024 at 30 "
+                    "steps is 30): use a smaller size or fewer steps")
+        line = [job for job in map(self._jobs.get, self._order) if job.state in ("queued", "running")]
+        if limits.max_jobs is not None and len(line) + len(requests) > limits.max_jobs:
+            raise UserError(f"the queue is full: {limits.max_jobs} jobs at most, and {len(line)} are in line; "
+                            "try again when one finishes")
+        mine = sum(job.owner == owner for job in line) if owner is not None else 0
+        per_client = limits.max_jobs_per_client
+        if owner is not None and per_client is not None and mine + len(requests) > per_client:
+            raise UserError(f"a device may have {per_client} jobs in line and this one has {mine}: wait for one to "
+                            "finish, or press Stop")
 
     def get(self, job_id) -> Job | None:
         return self._jobs.get(job_id) if isinstance(job_id, str) else None
+
+    def expired(self, job_id) -> bool:
+        """True when `job_id` is one this run made and has since forgotten (see KEEP_FINISHED_JOBS)."""
+        return isinstance(job_id, str) and job_id.startswith(self.run_prefix) and job_id not in self._jobs
 
     def cancel(self, job_id) -> Job | None:
         """Takes effect at the next branch boundary of a running job; a queued job never starts."""
@@ -103,6 +166,22 @@ class JobManager:
         with self._changed:
             self._changed.wait_for(lambda: self.version != version, timeout=timeout)
             return self.version
+
+    async def changed(self, version: int, timeout: float) -> int:
+        """wait_for_change for coroutines: it holds no thread while it waits. All waiters on one event loop share
+        one future, which the next change resolves (one hop into the loop, however many watch)."""
+        loop = asyncio.get_running_loop()
+        with self._changed:
+            if self.version != version:
+                return self.version
+            future = self._loop_waiters.get(loop)
+            if future is None:
+                future = self._loop_waiters[loop] = loop.create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            pass
+        return self.version
 
     def running(self) -> Job | None:
         return next((job for job in self.line() if job.state == "running"), None)
@@ -265,8 +344,20 @@ class JobManager:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _bump(self) -> None:
+        """Called under the lock, from any thread."""
         self.version += 1
         self._changed.notify_all()
+        for loop, future in self._loop_waiters.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:
+                pass  # that loop is closed (the server stopped): nobody waits there any more
+        self._loop_waiters.clear()
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _same_cost(a: GenerationRequest, b: GenerationRequest) -> bool:

@@ -1,5 +1,6 @@
 """The job engine on the real pipeline with the tiny random-weight model (torch backend)."""
 
+import asyncio
 import shutil
 import threading
 
@@ -8,11 +9,12 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from anima_ui import jobs as jobs_module
 from anima_ui import request as request_module
 from anima_ui.errors import UserError
 from anima_ui.fixtures.weights import write_random_taehv
 from anima_ui.history import History
-from anima_ui.jobs import JobManager
+from anima_ui.jobs import JobManager, QueueLimits
 from anima_ui.pipeline import Pipeline
 from anima_ui.request import GenerationRequest
 from anima_ui.ui import form
@@ -166,3 +168,51 @@ def test_taew2_1_previews_when_the_file_is_present(tiny_model, tmp_path):
     projection, taesd = (Image.open(by_method[m].preview_path) for m in ("projection", "taew2_1"))
     assert projection.size == taesd.size == (64, 64)
     assert projection.tobytes() != taesd.tobytes()  # the same x0 went through another decoder
+
+
+def test_the_queue_takes_in_what_its_limits_allow(pipeline, tmp_path):
+    limits = QueueLimits(max_jobs=4, max_jobs_per_client=2, max_pixel_steps=128 * 128 * 200)
+    manager = JobManager(lambda: pipeline, History(tmp_path / "outputs"), tmp_path / "previews", limits=limits)
+    try:
+        occupy_worker(manager, steps=200)  # 128x128 at 200 steps: exactly the budget; no owner, like the CLI
+        with pytest.raises(UserError, match=r"128x144 at 200 steps is more than this board takes in one job: the "
+                                            r"limit is 3.125 megapixel-steps"):
+            manager.submit(GenerationRequest(prompt="p", steps=200, width=128, height=144))
+        first = manager.submit(request(seed=1), owner="10.0.0.2")
+        with pytest.raises(UserError, match="a device may have 2 jobs in line and this one has 1"):
+            manager.submit_all([request(seed=2), request(seed=3)], owner="10.0.0.2")  # an A/B pair: both or neither
+        assert len(manager.line()) == 2
+        manager.submit_all([request(seed=4), request(seed=5)], owner="10.0.0.3")
+        with pytest.raises(UserError, match="the queue is full: 4 jobs at most, and 4 are in line"):
+            manager.submit(request(seed=5), owner="10.0.0.4")
+        manager.cancel(first.id)  # a place frees up
+        assert manager.submit(request(seed=6), owner="10.0.0.2").state == "queued"
+    finally:
+        manager.close()
+
+
+def test_a_forgotten_job_id_reads_as_expired(manager, monkeypatch):
+    monkeypatch.setattr(jobs_module, "KEEP_FINISHED_JOBS", 1)
+    first = manager.submit(request(seed=1, steps=1))
+    manager.cancel(first.id)
+    manager.cancel(manager.submit(request(seed=2, steps=1)).id)  # the second finished job: the first is forgotten
+    wait(manager, manager.submit(request(seed=3, steps=1)))
+    assert manager.get(first.id) is None and manager.expired(first.id)
+    assert not manager.expired("-" * 12) and not manager.expired(None)  # not this run's: made before a restart
+
+
+def test_async_watchers_wait_without_threads_and_all_wake_on_a_change(manager):
+    async def scenario():
+        version = manager.version
+        waiters = [asyncio.create_task(manager.changed(version, timeout=60)) for _ in range(100)]
+        await asyncio.sleep(0.05)
+        threads_while_waiting = threading.active_count()
+        job = manager.submit(request(seed=7, steps=1))  # the change, made from this thread; the worker makes more
+        woken = await asyncio.wait_for(asyncio.gather(*waiters), 60)
+        return threads_while_waiting, woken, job
+
+    threads_before = threading.active_count()
+    threads_while_waiting, woken, job = asyncio.run(scenario())
+    assert threads_while_waiting == threads_before  # a hundred waiters, no thread among them
+    assert all(v > 0 for v in woken) and len(woken) == 100
+    wait(manager, job)
