@@ -2,14 +2,16 @@
 
 The weights are the official release on Hugging Face (`circlestone-labs/Anima`, `split_files/...`); the release has
 no tokenizers, so those come from ComfyUI's bundled copies (`comfy/text_encoders/{qwen25,t5}_tokenizer`), the ones
-ComfyUI, Anima's reference implementation, loads. Downloads go to a temp file beside the target and are renamed when
-complete, so an interrupted download never looks like a model file."""
+ComfyUI, Anima's reference implementation, loads. Downloads go to a temp file beside the target, its name unique to the
+call, and are renamed when complete, so an interrupted download never looks like a model file and two downloads of
+one file (two phones pressing Download) never write into each other's."""
 
 import os
 import shutil
 import subprocess
 import sys
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +89,7 @@ def _download_hub(item: Download, target: Path, label: str):
     from huggingface_hub import hf_hub_download  # optional: only called when _have_hub()
 
     yield f"{label}: downloading through huggingface_hub (byte progress in the server log)"
-    staging = target.parent / ".download"  # same filesystem as the target, so the final rename is atomic
+    staging = target.parent / f".download-{uuid.uuid4().hex[:8]}"  # same filesystem as the target: an atomic rename
     try:
         fetched = hf_hub_download(item.repo, item.repo_file, local_dir=staging)
         os.replace(fetched, target)
@@ -96,7 +98,7 @@ def _download_hub(item: Download, target: Path, label: str):
 
 
 def _download_url(url: str, target: Path, label: str, chunk_bytes: int = 1 << 22):
-    temp = target.with_name(f".{target.name}.partial")
+    temp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(temp, "wb") as sink:
             size = int(response.headers.get("Content-Length") or 0)
