@@ -3,12 +3,13 @@ measured summary). Both are written to a temp file and renamed; the JSON is rena
 crash leaves either a complete item or nothing that is listed."""
 
 import json
+import struct
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image
+from PIL import Image, PngImagePlugin
 from PIL.PngImagePlugin import PngInfo
 
 from anima_ui.errors import UserError
@@ -55,6 +56,7 @@ class History:
     def __init__(self, outputs_dir: Path):
         self.outputs_dir = Path(outputs_dir)
         self.outputs_dir.mkdir(parents=True, exist_ok=True)
+        self._read: dict[str, HistoryItem] = {}  # sidecar name -> item: a sidecar is written once and never changes
 
     def save(self, image: Image.Image, request, summary: dict) -> HistoryItem:
         """request: the GenerationRequest that made `image`; summary: its ResultEvent summary (+ "model")."""
@@ -73,14 +75,17 @@ class History:
         return HistoryItem(name, png_path, record)
 
     def items(self) -> list[HistoryItem]:
-        """Newest first. Sidecars without their PNG (deleted by hand) are skipped."""
+        """Newest first. Sidecars without their PNG (deleted by hand) are skipped. Each sidecar is parsed once: the
+        gallery and the big screen list the history on every update."""
         found = []
         for sidecar in self.outputs_dir.glob("*.json"):
             png_path = sidecar.with_suffix(".png")
             if not png_path.exists():
                 continue
-            record = json.loads(sidecar.read_text())
-            found.append(HistoryItem(sidecar.stem, png_path, record))
+            item = self._read.get(sidecar.name)
+            if item is None:
+                item = self._read[sidecar.name] = HistoryItem(sidecar.stem, png_path, json.loads(sidecar.read_text()))
+            found.append(item)
         return sorted(found, key=lambda item: item.record["created"], reverse=True)
 
     def get(self, name: str) -> HistoryItem | None:
@@ -115,12 +120,32 @@ def save_png(image: Image.Image, path: Path, infotext: str) -> None:
 
 
 def settings_from_png(path) -> dict:
-    """The generation settings stored in a PNG's `parameters` chunk (ours or A1111's)."""
+    """The generation settings stored in a PNG's `parameters` chunk (ours or A1111's). Only the chunks are read, not
+    the pixels; Pillow's own limits (image size, text chunk size) end in a UserError that names them."""
+    name = Path(path).name
     try:
         with Image.open(path) as image:
             text = image.info.get("parameters")
+    except Image.DecompressionBombError:
+        raise UserError(f"{name} is {_png_size(path)} pixels, more than the {2 * Image.MAX_IMAGE_PIXELS} pixels an "
+                        "image may have here; drop a PNG made by anima-ui or A1111") from None
+    except ValueError as exc:
+        if "too large" not in str(exc):
+            raise UserError(f"{name} is not a readable image ({exc}); drop a PNG saved by anima-ui") from None
+        raise UserError(f"{name} has a compressed text chunk over {PngImagePlugin.MAX_TEXT_CHUNK // 2**20} MB, more "
+                        "than a PNG's text may unpack to here; its parameters are not read") from None
     except (OSError, SyntaxError) as exc:
-        raise UserError(f"{Path(path).name} is not a readable image ({exc}); drop a PNG saved by anima-ui") from exc
+        raise UserError(f"{name} is not a readable image ({exc}); drop a PNG saved by anima-ui") from exc
     if not text:
-        raise UserError(f"{Path(path).name} has no generation parameters; drop a PNG saved by anima-ui or A1111")
+        raise UserError(f"{name} has no generation parameters; drop a PNG saved by anima-ui or A1111")
     return settings_from_infotext(str(text))
+
+
+def _png_size(path) -> str:
+    """WxH from a PNG's header (its IHDR chunk comes first), for a message; "so many" when it is not a PNG."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        return "so many"
+    width, height = struct.unpack(">II", head[16:24])
+    return f"{width}x{height}"

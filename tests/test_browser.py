@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from anima_ui.jobs import QueueLimits
 from helpers import CHROMIUM, GRADIO_PANDAS_NOISE, occupy_worker, start_app
 
 pytestmark = [pytest.mark.browser, *GRADIO_PANDAS_NOISE]
@@ -33,7 +34,9 @@ def outputs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(tiny_model, outputs, tmp_path_factory):
-    app, url = start_app(tiny_model, outputs, tmp_path_factory.mktemp("presets"))
+    # Every page of these tests is at 127.0.0.1, one device to the job manager: no per-device limit here.
+    app, url = start_app(tiny_model, outputs, tmp_path_factory.mktemp("presets"),
+                         queue_limits=QueueLimits.for_backend("torch", max_jobs_per_client=None))
     yield app, url
     app.close()
 

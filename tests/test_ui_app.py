@@ -13,6 +13,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from anima_ui.fixtures.model import demo_model_dir
+from anima_ui.jobs import QueueLimits
 from anima_ui.modelfiles import missing_message
 from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, plan
 from helpers import GRADIO_PANDAS_NOISE, WITHOUT_TORCH, RecordingRuntimes, free_port, occupy_worker, start_app, wait_idle
@@ -26,7 +27,10 @@ def served(tiny_model, tmp_path_factory):
     presets = tmp_path_factory.mktemp("presets")
     for preset in PRESETS.glob("*.json"):
         shutil.copy(preset, presets)
-    app, url = start_app(tiny_model, tmp_path_factory.mktemp("outputs"), presets)
+    # Every client of these tests is at 127.0.0.1, one device to the job manager: no per-device limit here
+    # (tests/test_hostile.py checks it from other addresses).
+    app, url = start_app(tiny_model, tmp_path_factory.mktemp("outputs"), presets,
+                         queue_limits=QueueLimits.for_backend("torch", max_jobs_per_client=None))
     yield app, url
     app.close()
 
@@ -173,7 +177,8 @@ def test_a_dropped_png_restores_its_settings_with_spectrum_setting_and_forecaste
     _, _, final = generate_and_watch(client, prompt="restore me", seed="31", steps=4, spectrum="fast",
                                      forecaster="velocity-ab")
     restored = client.predict(handle_file(final[0]), api_name="/restore_png")
-    prompt, negative, seed, cfg, steps, size, spectrum, forecaster, message = restored
+    drop, prompt, negative, seed, cfg, steps, size, spectrum, forecaster, message = restored
+    assert drop is None  # the upload was read, deleted and the box cleared
     assert (prompt, seed, steps, size) == ("restore me", "31", 4, "64x64")
     assert (spectrum, forecaster) == ("fast", "velocity-ab")
     assert "Restored" in message
@@ -191,7 +196,7 @@ def test_presets_apply_and_save(client, served):
     choices, message = client.predict("Night walk", "at night", "", 5.0, 7, "64x64", "fast", "reuse",
                                       api_name="/save_preset")
     assert "night-walk" in message
-    saved = json.loads((served[0].config.presets_dir / "night-walk.json").read_text())
+    saved = json.loads((served[0].user_presets_dir / "night-walk.json").read_text())
     assert (saved["steps"], saved["spectrum"], saved["forecaster"]) == (7, "fast", "reuse")
 
 

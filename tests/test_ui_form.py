@@ -48,6 +48,8 @@ def test_empty_prompt_is_allowed_like_a1111():
     ({"steps": 0}, "steps must be a whole number from 1"),
     ({"steps": 2.5}, "steps must be a whole number"),
     ({"steps": None}, "steps must be a whole number"),
+    ({"steps": float("nan")}, "steps must be a whole number"),  # NaN and infinity come through the API
+    ({"steps": float("inf")}, "steps must be a whole number"),
     ({"cfg": "x"}, "CFG must be a number"),
     ({"cfg": 99}, "CFG must be between"),
     ({"size": "99999x99999"}, "width must be a multiple of 16"),
@@ -80,30 +82,48 @@ def test_size_choices_follow_the_backend(tmp_path):
 
 
 def test_presets_round_trip_without_seed(tmp_path):
-    stem = form.save_preset(tmp_path, "My Style!", {"prompt": "p", "negative": "n", "cfg": 5.0, "steps": 9,
-                                                     "size": "64x64", "spectrum": "fast", "forecaster": "reuse",
-                                                     "seed": 3})
-    assert stem == "my-style"
-    assert form.list_presets(tmp_path) == ["my-style"]
-    assert form.load_preset(tmp_path, "my-style") == {"prompt": "p", "negative": "n", "cfg": 5.0, "steps": 9,
-                                                      "size": "64x64", "spectrum": "fast", "forecaster": "reuse"}
-    (tmp_path / "old.json").write_text('{"steps": 9, "spectrum": true}')  # a preset from before the settings
-    assert form.load_preset(tmp_path, "old") == {"steps": 9, "spectrum": "on"}
+    committed, mine = tmp_path / "presets", tmp_path / "user"
+    committed.mkdir()
+    (committed / "draft.json").write_text('{"steps": 4}')
+    stem = form.save_preset(committed, mine, "My Style!", {"prompt": "p", "negative": "n", "cfg": 5.0, "steps": 9,
+                                                            "size": "64x64", "spectrum": "fast", "forecaster": "reuse",
+                                                            "seed": 3})
+    assert stem == "my-style" and (mine / "my-style.json").is_file() and not (committed / "my-style.json").exists()
+    assert form.list_presets(committed, mine) == ["draft", "my-style"]
+    assert form.load_preset(committed, mine, "my-style") == {"prompt": "p", "negative": "n", "cfg": 5.0, "steps": 9,
+                                                             "size": "64x64", "spectrum": "fast", "forecaster": "reuse"}
+    assert form.load_preset(committed, mine, "draft") == {"steps": 4}
+    (mine / "old.json").write_text('{"steps": 9, "spectrum": true}')  # a preset from before the settings
+    assert form.load_preset(committed, mine, "old") == {"steps": 9, "spectrum": "on"}
     with pytest.raises(UserError, match="give the preset a name"):
-        form.save_preset(tmp_path, "  ", {})
-    (tmp_path / "broken.json").write_text("{")
+        form.save_preset(committed, mine, "  ", {})
+    with pytest.raises(UserError, match="'draft' is a built-in preset"):
+        form.save_preset(committed, mine, "DRAFT", {"steps": 9})
+    assert form.load_preset(committed, mine, "draft") == {"steps": 4}
+    with pytest.raises(UserError, match="at most 64 characters; this one has 65"):
+        form.save_preset(committed, mine, "x" * 65, {})
+    (mine / "broken.json").write_text("{")
     with pytest.raises(UserError, match="not valid JSON"):
-        form.load_preset(tmp_path, "broken")
+        form.load_preset(committed, mine, "broken")
 
 
-def test_committed_presets_are_valid():
+def test_user_presets_are_capped_in_number(tmp_path, monkeypatch):
+    monkeypatch.setattr(form, "MAX_USER_PRESETS", 2)
+    for name in ("one", "two"):
+        form.save_preset(tmp_path / "presets", tmp_path / "user", name, {"steps": 1})
+    with pytest.raises(UserError, match="2 saved presets already"):
+        form.save_preset(tmp_path / "presets", tmp_path / "user", "three", {"steps": 1})
+    form.save_preset(tmp_path / "presets", tmp_path / "user", "two", {"steps": 2})  # overwriting one is allowed
+
+
+def test_committed_presets_are_valid(tmp_path):
     from pathlib import Path
 
     presets = Path(__file__).parent.parent / "presets"
-    names = form.list_presets(presets)
+    names = form.list_presets(presets, tmp_path)
     assert len(names) == len(list(presets.glob("*.json"))) >= 1
     for name in names:
-        values = form.load_preset(presets, name)
+        values = form.load_preset(presets, tmp_path, name)
         _request(**{k: v for k, v in values.items() if k in ("negative", "cfg", "steps", "size", "spectrum", "forecaster")})
 
 

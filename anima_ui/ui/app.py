@@ -1,22 +1,31 @@
 """The Gradio app: a phone-first page (prompt, Generate/Stop, live view, settings, A/B, history, meetup, status) and a
-big-screen page at /big. Every handler here only submits, watches or cancels jobs of the JobManager."""
+big-screen page at /big. Every handler here only submits, watches or cancels jobs of the JobManager.
 
+Anyone on the LAN can call any handler with any values, so: the job manager's limits decide what is queued (per
+device, by the client's address), watchers are coroutines that hold no thread while they wait, user-written text
+reaches Markdown only through `plain`, uploads are capped and deleted once read, and with a password, wrong guesses
+back off per address (anima_ui.ui.login)."""
+
+import asyncio
 import os
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
+from starlette.middleware import Middleware
 
+from anima_ui import download, jobs
 from anima_ui.errors import UserError
 from anima_ui.history import History, request_settings, settings_from_png
-from anima_ui.jobs import FINISHED, JobManager
+from anima_ui.jobs import FINISHED, JobManager, QueueLimits
+from anima_ui.modelfiles import ModelPaths, missing_message
 from anima_ui.pipeline import Pipeline
 from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, FORECASTERS
-from anima_ui import download
-from anima_ui.modelfiles import ModelPaths, missing_message
 from anima_ui.ui import form, system
-from anima_ui.ui.watch import ab_comparison, job_labels, job_status
+from anima_ui.ui.login import LoginBackoff
+from anima_ui.ui.watch import UNREADABLE, ab_comparison, job_labels, job_status, plain, read_session
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline board: no calls to Gradio's analytics host
 
@@ -51,19 +60,34 @@ class AppConfig:
     demo: bool = False
     preview_size: int = 384
     pipeline_options: dict = field(default_factory=dict)  # Pipeline.load keyword arguments (decoder, runtime)
+    user_presets_dir: Path | None = None  # where users' presets go (default: <outputs>/presets); presets_dir is read-only
+    queue_limits: QueueLimits | None = None  # default: QueueLimits.for_backend(backend)
+    max_upload_mb: int | None = 32  # the restore box's PNGs (a 2048x2048 PNG made here is at most 13 MB); None: any
+
+
+def client_address(request: gr.Request | None) -> str:
+    """The device a call came from, as the job manager's per-device limit counts it."""
+    client = getattr(request, "client", None)
+    return getattr(client, "host", None) or "unknown"
 
 
 class App:
     def __init__(self, config: AppConfig):
         self.config = config
         self.history = History(config.outputs_dir)
+        # Finished PNGs and previews are served from where they are: Gradio would otherwise hash (and copy) every
+        # file of every update, the gallery's 48 included, once per watching phone. (The folder is in allowed_paths.)
+        gr.set_static_paths([config.outputs_dir])
         self.missing = missing_message(config.models_dir)
+        self.user_presets_dir = Path(config.user_presets_dir or Path(config.outputs_dir) / "presets")
         self.manager = JobManager(
             lambda: Pipeline.load(config.models_dir, backend=config.backend, **config.pipeline_options),
             self.history,
             Path(config.outputs_dir) / ".previews",
             preview_size=config.preview_size,
+            limits=config.queue_limits or QueueLimits.for_backend(config.backend),
         )
+        self._downloading = threading.Lock()
         paths = None if self.missing else ModelPaths.find(config.models_dir)
         self.sizes = form.size_choices(config.backend, paths, config.demo)
         self.strict_sizes = config.backend == "rknn" or (config.backend in ("onnx", "sim") and paths is not None
@@ -76,25 +100,27 @@ class App:
         return form.build_request(prompt, negative, seed, cfg, steps, size, spectrum, forecaster,
                                   allowed_sizes=self.sizes if self.strict_sizes else None)
 
-    def generate(self, session, prompt, negative, seed, cfg, steps, size, spectrum, forecaster, preview_method):
+    def generate(self, session, prompt, negative, seed, cfg, steps, size, spectrum, forecaster, preview_method,
+                 request: gr.Request = None):
         """-> session, inline message, fresh (tells the chained watcher whether there is a new job)."""
         try:
-            request = self._request(prompt, negative, seed, cfg, steps, size, spectrum, forecaster)
-            job = self.manager.submit(request, preview_method)
+            generation = self._request(prompt, negative, seed, cfg, steps, size, spectrum, forecaster)
+            job = self.manager.submit(generation, preview_method, owner=client_address(request))
         except UserError as exc:
             return self._refused(session, exc)
-        return self._submitted({"jobs": [job.id], "ab": None, "last_seed": request.seed}, "")
+        return self._submitted({"jobs": [job.id], "ab": None, "last_seed": generation.seed}, "")
 
     def _submitted(self, session: dict, message: str) -> dict:
         return {self.ui.session: session, self.ui.message: message, self.ui.fresh: True}
 
     def _refused(self, session, exc: UserError) -> dict:
         """The page keeps following what it followed; the problem shows inline."""
-        return {self.ui.session: session, self.ui.message: f"⚠️ {exc}", self.ui.fresh: False}
+        return {self.ui.session: session, self.ui.message: f"⚠️ {plain(exc)}", self.ui.fresh: False}
 
-    def ab(self, session, prompt, negative, seed, cfg, steps, size, spectrum, forecaster, preview_method):
+    def ab(self, session, prompt, negative, seed, cfg, steps, size, spectrum, forecaster, preview_method,
+           request: gr.Request = None):
         """The same prompt and seed with Spectrum off and with the chosen setting (on when Settings say off) and
-        forecaster; a finished twin in the history is reused."""
+        forecaster; a finished twin in the history is reused. Both jobs are queued, or neither."""
         try:
             base = self._request(prompt, negative, seed, cfg, steps, size, "off", forecaster)
             setting = form.spectrum_setting(spectrum)
@@ -102,52 +128,67 @@ class App:
                                spectrum_params=form.spectrum_config("on" if setting == "off" else setting, forecaster))
         except UserError as exc:
             return self._refused(session, exc)
-        refs, jobs = {}, []
-        for key, request in (("off", base), ("on", forecast)):
-            twin = self.history.find_twin(request_settings(request), request.spectrum, self.manager.model_name)
+        refs, wanted = {}, []
+        for key, generation in (("off", base), ("on", forecast)):
+            twin = self.history.find_twin(request_settings(generation), generation.spectrum, self.manager.model_name)
             if twin is not None:
                 refs[key] = {"item": twin.name}
             else:
-                job = self.manager.submit(request, preview_method)
-                refs[key] = {"job": job.id}
-                jobs.append(job.id)
+                wanted.append((key, generation))
+        try:
+            queued = self.manager.submit_all([g for _, g in wanted], preview_method, owner=client_address(request))
+        except UserError as exc:
+            return self._refused(session, exc)
+        refs.update({key: {"job": job.id} for (key, _), job in zip(wanted, queued)})
         reused = [k for k, ref in refs.items() if "item" in ref]
         note = f"Reusing the finished Spectrum-{' and '.join(reused)} image from history." if reused else ""
-        return self._submitted({"jobs": jobs, "ab": refs, "last_seed": base.seed}, note)
+        return self._submitted({"jobs": [job.id for job in queued], "ab": refs, "last_seed": base.seed}, note)
 
-    def follow(self, session, fresh):
+    async def follow(self, session, fresh):
         if not fresh:
             yield gr.skip()  # every output unchanged
             return
-        yield from self.watch(session)
+        async for update in self.watch(session):
+            yield update
 
-    def watch(self, session):
-        """Generator of updates to the live view, status line, A/B slider and text, and gallery. Abandoning it
-        (disconnect, Stop, reload) leaves the jobs running; a new page calls it again with the same session."""
+    async def watch(self, session):
+        """Updates to the live view, status line, A/B slider and text, and gallery, as an async generator: between
+        updates it awaits the job manager's next change on the event loop, so a hundred watching phones hold no
+        thread. Abandoning it (disconnect, Stop, reload) leaves the jobs running; a new page calls it again with the
+        same session."""
         ui = self.ui
-        session = session if isinstance(session, dict) else {}
-        ids = [i for i in session.get("jobs", []) if isinstance(i, str)]
-        if not ids and not session.get("ab"):
+        session, readable = read_session(session)
+        if not readable:
+            yield {ui.status: UNREADABLE}
+            return
+        ids = session["jobs"]
+        if not ids and not session["ab"]:
             yield {ui.status: "Type a prompt and press **Generate**."}
             return
-        jobs = [self.manager.get(i) for i in ids]
-        if any(job is None for job in jobs):
-            yield {ui.status: "The job this page followed is gone (the server restarted). Finished images are in "
-                              "**History**.", ui.gallery: self.gallery()}
+        followed = [self.manager.get(i) for i in ids]
+        gone = next((i for i, job in zip(ids, followed) if job is None), None)
+        if gone is not None:
+            yield {ui.status: self._gone(gone), ui.gallery: await asyncio.to_thread(self.gallery)}
             return
         labels = job_labels(session)
         shown_preview, version = None, -1
         while True:
-            current = next((j for j in jobs if j.state not in FINISHED), None)
+            current = next((j for j in followed if j.state not in FINISHED), None)
             if current is None:
-                yield self._final(session, jobs, labels)
+                yield await asyncio.to_thread(self._final, session, followed, labels)  # reads images from disk
                 return
             update = {ui.status: job_status(self.manager, current, labels.get(current.id, ""))}
             if current.preview_path is not None and current.preview_path != shown_preview:
                 shown_preview = current.preview_path
                 update[ui.view] = str(shown_preview)
             yield update
-            version = self.manager.wait_for_change(version, timeout=WATCH_TICK)
+            version = await self.manager.changed(version, timeout=WATCH_TICK)
+
+    def _gone(self, job_id: str) -> str:
+        if self.manager.expired(job_id):
+            return (f"⌛ **Job expired:** the server keeps the last {jobs.KEEP_FINISHED_JOBS} finished jobs and this "
+                    "one is older. If it finished, its image is in **History**.")
+        return "The job this page followed is gone (the server restarted). Finished images are in **History**."
 
     def _final(self, session, jobs, labels) -> dict:
         ui = self.ui
@@ -168,8 +209,8 @@ class App:
         return update
 
     def cancel(self, session):
-        session = session if isinstance(session, dict) else {}
-        cancelled = [job for job in map(self.manager.get, session.get("jobs", [])) if job is not None
+        session, _ = read_session(session)
+        cancelled = [job for job in map(self.manager.get, session["jobs"]) if job is not None
                      and job.state not in FINISHED and self.manager.cancel(job.id) is not None]
         if not cancelled:
             return "Nothing to stop."
@@ -204,48 +245,69 @@ class App:
         return self._form_values(item.settings, f"Restored the settings of {item.png_path.name}.")
 
     def restore_png(self, path):
+        """The upload is read once and deleted (Gradio would keep it a day), and the drop box cleared."""
         if not path:
             return {self.ui.message: ""}
         try:
             settings = settings_from_png(path)
         except UserError as exc:
-            return {self.ui.message: f"⚠️ {exc}"}
-        return self._form_values(settings, f"Restored the settings of {Path(path).name}.")
+            return {self.ui.message: f"⚠️ {plain(exc)}", self.ui.drop: None}
+        finally:
+            if Path(path).resolve().is_relative_to(Path(self.demo.GRADIO_CACHE).resolve()):  # Gradio's uploads only
+                Path(path).unlink(missing_ok=True)
+        return self._form_values(settings, f"Restored the settings of {plain(Path(path).name)}.") | {self.ui.drop: None}
 
     def restore_session_form(self, session):
         """On page load: the form shows the settings of the job this browser follows (a reloaded phone sees what
         is running, not an empty prompt)."""
-        ids = session.get("jobs", []) if isinstance(session, dict) else []
+        ids = read_session(session)[0]["jobs"]
         job = self.manager.get(ids[-1]) if ids else None
         if job is None:
             return {self.ui.message: ""}
         return self._form_values(request_settings(job.request), "")
 
     def reuse_seed(self, session):
-        seed = (session or {}).get("last_seed") if isinstance(session, dict) else None
+        seed = read_session(session)[0]["last_seed"]
         return str(seed) if seed is not None else gr.skip()
 
     def apply_preset(self, name):
         ui = self.ui
         try:
-            values = form.load_preset(self.config.presets_dir, name)
+            values = form.load_preset(self.config.presets_dir, self.user_presets_dir, name)
         except UserError as exc:
-            return {ui.message: f"⚠️ {exc}"}
+            return {ui.message: f"⚠️ {plain(exc)}"}
         fields = {key: getattr(ui, key) for key in form.PRESET_KEYS}
-        return {fields[key]: value for key, value in values.items()} | {ui.message: f"Preset **{name}** applied."}
+        return ({fields[key]: value for key, value in values.items()}
+                | {ui.message: f"Preset **{plain(name)}** applied."})
+
+    def preset_choices(self):
+        return gr.update(choices=form.list_presets(self.config.presets_dir, self.user_presets_dir))
 
     def save_preset(self, name, prompt, negative, cfg, steps, size, spectrum, forecaster):
         try:
-            stem = form.save_preset(self.config.presets_dir, name, {
+            stem = form.save_preset(self.config.presets_dir, self.user_presets_dir, name, {
                 "prompt": prompt, "negative": negative, "cfg": cfg, "steps": steps, "size": size, "spectrum": spectrum,
                 "forecaster": forecaster})
         except UserError as exc:
-            return {self.ui.message: f"⚠️ {exc}"}
-        return {self.ui.preset: gr.update(choices=form.list_presets(self.config.presets_dir), value=stem),
-                self.ui.message: f"Saved preset **{stem}**."}
+            return {self.ui.message: f"⚠️ {plain(exc)}"}
+        return {self.ui.preset: self.preset_choices() | {"value": stem}, self.ui.message: f"Saved preset **{stem}**."}
 
     def download_models(self):
-        """Fetch the missing official files, then prepare them for the backend (export, RKNN conversion)."""
+        """Fetch the missing official files, then prepare them for the backend (export, RKNN conversion). Its button
+        shows only while the model is missing, but any client can call it: it refuses then, and while another call
+        runs."""
+        if not self.missing:
+            yield "⚠️ The model files are already in place: there is nothing to download."
+            return
+        if not self._downloading.acquire(blocking=False):
+            yield "⚠️ A download is already running; its progress shows on the page that started it."
+            return
+        try:
+            yield from self._download_and_prepare()
+        finally:
+            self._downloading.release()
+
+    def _download_and_prepare(self):
         plan = download.download_plan(self.config.models_dir)
         lines = []
         try:
@@ -277,7 +339,7 @@ class App:
         if not items:
             return {ui.big_caption: "Waiting for the first picture…"}
         item = items[tick % len(items)]
-        return {ui.big_view: str(item.png_path), ui.big_caption: f"{item.settings['prompt'][:120]} · {item.caption}",
+        return {ui.big_view: str(item.png_path), ui.big_caption: f"{plain(item.settings['prompt'][:120])} · {item.caption}",
                 ui.tick: tick + 1}
 
     # -- layout -----------------------------------------------------------------------------------------------------
@@ -309,8 +371,9 @@ class App:
             # The picture right under the buttons, its status line under it: on a phone both fit one screen.
             view = gr.Image(label="Live view", type="filepath", format="png", interactive=False, elem_id="view",
                             height=360, buttons=["download", "fullscreen"])
-            status = gr.Markdown("Type a prompt and press **Generate**.", elem_id="status")
-            message = gr.Markdown(elem_id="message")
+            # No formula rendering where user text can appear (its $$ would become KaTeX).
+            status = gr.Markdown("Type a prompt and press **Generate**.", elem_id="status", latex_delimiters=[])
+            message = gr.Markdown(elem_id="message", latex_delimiters=[])
 
             with gr.Accordion("Settings", open=False, elem_id="settings"):
                 negative = gr.Textbox(label="Negative prompt", lines=2, elem_id="negative")
@@ -335,7 +398,10 @@ class App:
                                              elem_id="spectrum-forecaster")
                 preview_method = gr.Radio(["projection", "taew2_1"] if self.has_taesd else ["projection"],
                                           value="projection", label="Preview", elem_id="preview-method")
-                preset = gr.Dropdown(form.list_presets(config.presets_dir), value=None, label="Preset", elem_id="preset")
+                # Custom values pass: a preset saved after this page was built is not among the choices the server
+                # checks (load_preset refuses unknown names itself); the list itself is refreshed on every page load.
+                preset = gr.Dropdown(form.list_presets(config.presets_dir, self.user_presets_dir), value=None,
+                                     label="Preset", elem_id="preset", allow_custom_value=True)
                 with gr.Row():
                     preset_name = gr.Textbox(label="Save current settings as preset", scale=3, min_width=0,
                                              elem_id="preset-name")
@@ -383,7 +449,7 @@ class App:
             recycle.click(self.reuse_seed, session, seed, api_visibility="private", **light)
             form_fields = [prompt, negative, seed, cfg, steps, size, spectrum, forecaster, message]
             gallery.select(self.restore_selected, None, form_fields, api_visibility="private", **light)
-            drop.upload(self.restore_png, drop, form_fields, api_name="restore_png", **light)
+            drop.upload(self.restore_png, drop, [drop, *form_fields], api_name="restore_png", **light)
             preset.input(self.apply_preset, preset, [prompt, negative, cfg, steps, size, spectrum, forecaster, message],
                          api_name="apply_preset", **light)
             save_preset.click(self.save_preset, [preset_name, prompt, negative, cfg, steps, size, spectrum, forecaster],
@@ -391,12 +457,13 @@ class App:
             fetch.click(self.download_models, None, fetch_log, api_visibility="private", **light)
             demo.load(self.status_panel, None, status_box, api_name="status", **light)
             demo.load(self.restore_session_form, session, form_fields, api_visibility="private", **light)
+            demo.load(self.preset_choices, None, preset, api_visibility="private", **light)
 
         with demo.route("Big screen", "/big"):
             gr.Markdown("## Anima on the NPU — live")
             big_view = gr.Image(type="filepath", format="png", interactive=False, show_label=False, elem_id="big-view",
                                 height="78vh", buttons=["fullscreen"])
-            big_caption = gr.Markdown(elem_id="big-caption")
+            big_caption = gr.Markdown(elem_id="big-caption", latex_delimiters=[])
             tick = gr.State(0)
             gr.HTML(system.qr_html(url))
             gr.Timer(3.0).tick(self.big_screen, tick, [big_view, big_caption, tick], show_progress="hidden",
@@ -406,7 +473,7 @@ class App:
             session=session, fresh=fresh, message=message, view=view, status=status, ab_slider=ab_slider,
             ab_text=ab_text, gallery=gallery, prompt=prompt, negative=negative, seed=seed, cfg=cfg, steps=steps,
             size=size, spectrum=spectrum, forecaster=forecaster, preset=preset, big_view=big_view,
-            big_caption=big_caption, tick=tick,
+            big_caption=big_caption, tick=tick, drop=drop,
         )
         return demo
 
@@ -418,6 +485,8 @@ class App:
             server_port=self.config.port,
             auth=_auth(self.config.password),
             auth_message="The password is on the whiteboard.",
+            app_kwargs={"middleware": [Middleware(LoginBackoff)]} if self.config.password else None,
+            max_file_size=self.config.max_upload_mb * 2**20 if self.config.max_upload_mb else None,
             allowed_paths=[str(Path(self.config.outputs_dir).resolve())],
             footer_links=[],
             run_history=False,

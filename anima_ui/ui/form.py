@@ -1,12 +1,14 @@
 """The generation form: turning widget values into a GenerationRequest (with one-line errors), size choices, presets."""
 
 import json
+import math
 import re
 import secrets
 from pathlib import Path
 
 from anima_ui.errors import UserError
 from anima_ui.files import write_atomically
+from anima_ui.limits import MAX_USER_PRESETS, check_preset_name
 from anima_ui.request import GenerationRequest
 from anima_ui.runtime.graphs import ready_graph_folders
 from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, SETTINGS, canonical
@@ -58,7 +60,7 @@ def _whole(value, name: str) -> int:
         number = float(value)
     except (TypeError, ValueError):
         raise UserError(f"{name} must be a whole number; got {value!r}") from None
-    if number != int(number):
+    if not math.isfinite(number) or number != int(number):  # NaN and infinity come through the API
         raise UserError(f"{name} must be a whole number; got {value!r}")
     return int(number)
 
@@ -107,13 +109,16 @@ def build_request(prompt, negative, seed, cfg, steps, size, spectrum, forecaster
 
 
 # -- presets ------------------------------------------------------------------------------------------------------------
-def list_presets(presets_dir: Path) -> list[str]:
-    return sorted(p.stem for p in Path(presets_dir).glob("*.json"))
+# Two folders: the committed presets (read-only: nobody at the meetup can deface them) and, beside them in the list,
+# the ones users saved. A name is in at most one of them.
+def list_presets(presets_dir: Path, user_dir: Path) -> list[str]:
+    return sorted({p.stem for folder in (presets_dir, user_dir) for p in Path(folder).glob("*.json")})
 
 
-def load_preset(presets_dir: Path, name: str) -> dict:
-    path = Path(presets_dir) / f"{Path(str(name)).name}.json"
-    if not path.is_file():
+def load_preset(presets_dir: Path, user_dir: Path, name: str) -> dict:
+    stem = Path(str(name)).name
+    path = next((p for p in (Path(presets_dir) / f"{stem}.json", Path(user_dir) / f"{stem}.json") if p.is_file()), None)
+    if path is None:
         raise UserError(f"no preset named {name!r}; choose one from the list")
     try:
         values = json.loads(path.read_text())
@@ -125,12 +130,18 @@ def load_preset(presets_dir: Path, name: str) -> dict:
     return preset
 
 
-def save_preset(presets_dir: Path, name: str, values: dict) -> str:
-    """Saves the settings (not the seed: a preset is a style, not one picture). Returns the preset's file stem."""
-    stem = re.sub(r"[^a-z0-9]+", "-", str(name or "").lower()).strip("-")
+def save_preset(presets_dir: Path, user_dir: Path, name: str, values: dict) -> str:
+    """Saves the settings (not the seed: a preset is a style, not one picture) into the user folder. Returns the
+    preset's file stem."""
+    stem = re.sub(r"[^a-z0-9]+", "-", check_preset_name(str(name or "")).lower()).strip("-")
     if not stem:
         raise UserError("give the preset a name (letters or digits) before saving it")
-    Path(presets_dir).mkdir(parents=True, exist_ok=True)
+    if (Path(presets_dir) / f"{stem}.json").is_file():
+        raise UserError(f"{stem!r} is a built-in preset and stays as it is; save under another name")
+    target = Path(user_dir) / f"{stem}.json"
+    if not target.is_file() and len(list(Path(user_dir).glob("*.json"))) >= MAX_USER_PRESETS:
+        raise UserError(f"there are {MAX_USER_PRESETS} saved presets already, the limit; overwrite one by its name")
+    Path(user_dir).mkdir(parents=True, exist_ok=True)
     preset = {k: values[k] for k in PRESET_KEYS if k in values}
-    write_atomically(Path(presets_dir) / f"{stem}.json", lambda f: f.write(json.dumps(preset, indent=1).encode()))
+    write_atomically(target, lambda f: f.write(json.dumps(preset, indent=1).encode()))
     return stem

@@ -1,7 +1,14 @@
 """Following a browser's jobs: the status line and what the page shows while and after they run.
 
 A browser's `session` (kept in gr.BrowserState, so it survives reloads) is {"jobs": [job ids], "ab": {"off": ref,
-"on": ref} or None, "last_seed": int}, where a ref is {"job": id} or {"item": history name}."""
+"on": ref} or None, "last_seed": int}, where a ref is {"job": id} or {"item": history name}. The browser sends it
+with every call and any client can send anything: `read_session` is the one place that checks its shape.
+
+Anything a user wrote (a prompt, a file or preset name, an error message that quotes a value) goes into the page's
+Markdown through `plain`, so it shows as the text it is: no HTML, links, emphasis or formulas."""
+
+import html
+import re
 
 import numpy as np
 from PIL import Image
@@ -10,8 +17,41 @@ from anima_ui.infotext import decoder_label, format_seconds
 from anima_ui.metrics import psnr, ssim
 from anima_ui.sampling.spectrum import canonical, first_forecasting_steps
 
+MAX_SESSION_JOBS = 2  # what the page itself keeps: one job, or the two of an A/B
+UNREADABLE = "⚠️ This page's saved session is unreadable; press **Generate** to start again."
+# ASCII punctuation but & and ; (which now only spell the HTML entities): a backslash makes each one literal text
+MARKDOWN_PUNCTUATION = re.compile(r"([!-%'-/:<-@\[-`{-~])")
+
 PHASES = {"export": "exporting the branch graphs for this size (once; minutes at full size)", "text": "encoding the prompt",
           "decode": "decoding the image", None: "starting"}
+
+
+def plain(text) -> str:
+    """`text` as Markdown that renders as exactly that text: HTML-escaped, every ASCII punctuation mark
+    backslash-escaped (no emphasis, links, autolinks, headings or $$ formulas), newlines as spaces."""
+    escaped = html.escape(" ".join(str(text).split("\n")), quote=False)
+    return MARKDOWN_PUNCTUATION.sub(r"\\\1", escaped)
+
+
+def read_session(value) -> tuple[dict, bool]:
+    """(the session, whether `value` was one). None (a new browser) is an empty session; anything not shaped as
+    the page writes it reads as an empty session too, and False."""
+    empty = {"jobs": [], "ab": None, "last_seed": None}
+    if value is None:
+        return empty, True
+    if not isinstance(value, dict):
+        return empty, False
+    jobs, ab, seed = value.get("jobs", []), value.get("ab"), value.get("last_seed")
+    readable = (isinstance(jobs, list) and len(jobs) <= MAX_SESSION_JOBS and all(isinstance(i, str) for i in jobs)
+                and (ab is None or _is_ab(ab))
+                and (seed is None or (isinstance(seed, int) and not isinstance(seed, bool))))
+    return ({"jobs": jobs, "ab": ab, "last_seed": seed}, True) if readable else (empty, False)
+
+
+def _is_ab(ab) -> bool:
+    return (isinstance(ab, dict) and set(ab) == {"off", "on"}
+            and all(isinstance(ref, dict) and len(ref) == 1 and isinstance(ref.get("job", ref.get("item")), str)
+                    for ref in ab.values()))
 
 
 def job_status(manager, job, label: str = "") -> str:
@@ -37,13 +77,13 @@ def job_status(manager, job, label: str = "") -> str:
         return f"{prefix}▶️ **{what} · {format_seconds(job.elapsed)} elapsed{left}"
     if job.state == "done":
         warning = job.item.summary.get("warning")
-        note = f"\n\n⚠️ {warning}" if warning else ""
+        note = f"\n\n⚠️ {plain(warning)}" if warning else ""
         decoder = decoder_label(job.item.summary)
         vae = f" · VAE {decoder}" if decoder else ""
         return f"{prefix}✅ **Done** in {format_seconds(job.elapsed)} · seed {job.request.seed}{vae} · {job.item.png_path.name}{note}"
     if job.state == "cancelled":
         return f"{prefix}⏹️ **Cancelled** at step {job.step}/{job.total} · seed {job.request.seed}"
-    return f"{prefix}❌ **Failed:** {job.error}"
+    return f"{prefix}❌ **Failed:** {plain(job.error)}"
 
 
 def job_labels(session: dict) -> dict[str, str]:
