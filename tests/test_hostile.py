@@ -19,23 +19,24 @@ from pathlib import Path
 
 import pytest
 from gradio_client import Client
-from PIL import Image
-from PIL.PngImagePlugin import PngInfo
 
 from anima_ui import download, jobs
-from anima_ui.bench.crowd import ChildServer, Device, RemoteError
+from anima_ui.bench.crowd import ChildServer, Device, Flood, RemoteError, form, png_with_parameters
 from anima_ui.fixtures.weights import write_random_taehv
 from anima_ui.history import History
 from anima_ui.jobs import JobManager
 from anima_ui.pipeline import Pipeline
 from anima_ui.request import GenerationRequest
-from anima_ui.vae.wan_decoder import WanDecoder
+from anima_ui.sampling.spectrum import DEFAULT_FORECASTER
+from anima_ui.text.qwen3 import Qwen3
+from anima_ui.vae.onnx_decoder import OnnxDecoder
 from helpers import CHROMIUM, GRADIO_PANDAS_NOISE, start_app, wait
 
 pytestmark = GRADIO_PANDAS_NOISE
 PRESETS = Path(__file__).parent.parent / "presets"
 WATCHDOG = 120.0  # seconds any one exchange may take before the test calls the server stuck
 ONE_LINE = re.compile(r"^⚠️ [^\n]+$")
+PRESET = ["a fox", "", 4.0, 4, "64x64", "off", DEFAULT_FORECASTER]  # prompt, negative, cfg, steps, size, spectrum, forecaster
 
 
 def shown(markdown: str) -> str:
@@ -43,21 +44,10 @@ def shown(markdown: str) -> str:
     return html.unescape(re.sub(r"\\(.)", r"\1", markdown))
 
 
-def form(prompt="a red fox", seed="5", steps=2, size="64x64", cfg=4.0, negative="", spectrum=False):
-    return [prompt, negative, seed, cfg, steps, size, spectrum, "projection"]
-
-
 def run(coroutine, timeout=WATCHDOG):
     """The scenario on an event loop in a thread of its own (Playwright's sync API keeps one running in this thread)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, asyncio.wait_for(coroutine, timeout)).result()
-
-
-def png_with_parameters(path: Path, text: str, compressed: bool = True) -> Path:
-    info = PngInfo()
-    info.add_text("parameters", text, zip=compressed)
-    Image.new("L", (1, 1)).save(path, pnginfo=info)
-    return path
 
 
 def png_claiming(path: Path, width: int, height: int, text: str) -> Path:
@@ -213,7 +203,7 @@ def test_row6_a_text_chunk_over_1mb_gets_a_message(server, tmp_path):
 def test_row6_a_preset_name_over_250_characters_gets_a_message(server):
     async def scenario():
         async with Device(server.url, "127.0.0.4") as stranger:
-            return shown((await stranger.call("save_preset", "n" * 300, "a fox", "", 4.0, 4, "64x64", False))[-1])
+            return shown((await stranger.call("save_preset", "n" * 300, *PRESET))[-1])
 
     message = run(scenario())
     assert ONE_LINE.match(message) and "name" in message and "characters" in message, message
@@ -225,8 +215,8 @@ def test_row6_committed_presets_are_read_only_and_user_presets_live_beside_them(
 
     async def scenario():
         async with Device(server.url, "127.0.0.4") as stranger:
-            overwrite = await stranger.call("save_preset", "Draft", "defaced", "", 4.0, 4, "64x64", False)
-            mine = await stranger.call("save_preset", "My style", "a fox at dawn", "", 5.0, 7, "64x64", False)
+            overwrite = await stranger.call("save_preset", "Draft", "defaced", *PRESET[1:])
+            mine = await stranger.call("save_preset", "My style", "a fox at dawn", "", 5.0, 7, *PRESET[5:])
             applied = await stranger.call("apply_preset", "my-style")
             return shown(overwrite[-1]), mine, applied
 
@@ -336,7 +326,8 @@ def test_row6_login_backs_off_per_address(model, tmp_path):
 # -- row 2: limits before work; the text phase and the final decode stop on Stop -------------------------------------
 @pytest.fixture(scope="module")
 def pipeline(tiny_model):
-    return Pipeline.load(tiny_model, backend="torch")
+    # the onnx decoder: it decodes tile by tile in Python (the native one is tests/test_vae_sdcpp.py's)
+    return Pipeline.load(tiny_model, backend="torch", decoder="onnx")
 
 
 @pytest.fixture
@@ -346,57 +337,70 @@ def manager(pipeline, tmp_path):
     manager.close()
 
 
-def test_row2_a_prompt_over_the_token_limit_fails_before_the_text_encoder_runs(manager, pipeline):
-    layers_run = []
-    hooks = [layer.register_forward_pre_hook(lambda module, args: layers_run.append(module))
-             for layer in pipeline.text_encoder.qwen3.layers]
+class Qwen3Layers:
+    """Counts the Qwen3 layers the text encoder runs (each is one call of its layer graph), and calls `on_layer`
+    before each."""
+
+    def __init__(self, monkeypatch, on_layer=lambda: None):
+        self.count, self.on_layer = 0, on_layer
+        opened = Qwen3.__init__
+        layers = self
+
+        class CountingSession:
+            def __init__(self, session):
+                self.session = session
+
+            def run(self, *args, **kwargs):
+                layers.on_layer()
+                layers.count += 1
+                return self.session.run(*args, **kwargs)
+
+        def open_counting(qwen3, path):
+            opened(qwen3, path)
+            qwen3.session = CountingSession(qwen3.session)
+
+        monkeypatch.setattr(Qwen3, "__init__", open_counting)
+
+
+def test_row2_a_prompt_over_the_token_limit_fails_before_the_text_encoder_runs(manager, monkeypatch):
+    layers = Qwen3Layers(monkeypatch)
     prompt = " ".join(f"tokens{i}" for i in range(400))  # 2688 T5 tokens in 3889 characters
-    try:
-        job = wait(manager, manager.submit(GenerationRequest(prompt=prompt, seed=1, steps=1, width=64, height=64)),
-                   timeout=WATCHDOG)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    assert job.state == "error" and "512" in job.error, job.error
-    assert layers_run == []
+    job = wait(manager, manager.submit(GenerationRequest(prompt=prompt, seed=1, steps=1, width=64, height=64)),
+               timeout=WATCHDOG)
+    assert job.state == "error" and "T5 tokens long; the limit is 512" in job.error, job.error
+    assert layers.count == 0
+    wait(manager, manager.submit(GenerationRequest(prompt="a short one", seed=1, steps=1, width=64, height=64)),
+         timeout=WATCHDOG)
+    assert layers.count > 0  # the counter counts
 
 
-def test_row2_stop_during_the_text_phase_stops_the_text_encoder(manager, pipeline):
-    layers = pipeline.text_encoder.qwen3.layers
-    submitted, started_after_stop, holder = threading.Event(), [], []
+def test_row2_stop_during_the_text_phase_stops_the_text_encoder(manager, monkeypatch):
+    holder, submitted = [], threading.Event()
 
-    def on_layer(module, args):
+    def stop_at_the_first_layer():
         submitted.wait(10)
-        job = holder[0]
-        if job.cancel.is_set():
-            started_after_stop.append(module)
-        elif module is layers[0]:
-            manager.cancel(job.id)  # Stop arrives while the first prompt's first layer runs
+        manager.cancel(holder[0].id)  # Stop arrives while the first layer runs
 
-    hooks = [layer.register_forward_pre_hook(on_layer) for layer in layers]
-    try:
-        holder.append(manager.submit(GenerationRequest(prompt="stop me while I am encoded", negative="never encoded",
-                                                       seed=2, steps=1, width=64, height=64)))
-        submitted.set()
-        job = wait(manager, holder[0], timeout=WATCHDOG)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    layers = Qwen3Layers(monkeypatch, stop_at_the_first_layer)
+    holder.append(manager.submit(GenerationRequest(prompt="stop me while I am encoded", negative="never encoded",
+                                                   seed=2, steps=1, width=64, height=64)))
+    submitted.set()
+    job = wait(manager, holder[0], timeout=WATCHDOG)
     assert job.state == "cancelled" and job.step == 0, (job.state, job.error)
-    assert started_after_stop == []  # no further layer ran, and the negative prompt was never encoded
+    assert layers.count == 2  # the first layer, for the two prompts at once; no layer after Stop
 
 
 def test_row2_stop_during_the_final_decode_stops_between_tiles(manager, monkeypatch):
     tiles, holder = [], []
-    decode_tile = WanDecoder.forward
+    decode_tile = OnnxDecoder._run
 
-    def counting(self, z):
-        tiles.append(tuple(z.shape))
+    def counting(self, latent, clip):
+        tiles.append(tuple(latent.shape))
         if len(tiles) == 1:
             manager.cancel(holder[0].id)  # Stop arrives while the first tile decodes
-        return decode_tile(self, z)
+        return decode_tile(self, latent, clip)
 
-    monkeypatch.setattr(WanDecoder, "forward", counting)
+    monkeypatch.setattr(OnnxDecoder, "_run", counting)
     holder.append(manager.submit(GenerationRequest(prompt="stop my decode", seed=3, steps=1, width=512, height=512)))
     job = wait(manager, holder[0], timeout=WATCHDOG)
     assert job.state == "cancelled" and job.item is None, job.state
@@ -458,66 +462,6 @@ def test_row3_a_job_over_the_size_steps_budget_is_refused(server):
 # -- row 5 (with rows 1-3): a hundred watchers and a flood from one device ------------------------------------------
 RATIO = 8.0  # the user's job may take this many times as long as alone: 3 jobs' worth (their own, and the two the
 # flooding device may have in line ahead of it), with room for a loaded machine
-
-
-class Flood:
-    """One device (127.0.0.2) in a thread of its own: 100 watchers on its session, and submitters that send, over
-    and over, a job the size of the user's, one far over any budget, a 1 MB prompt, a 5000-deep prompt, and the
-    1 MB-infotext PNG to the restore box."""
-
-    def __init__(self, url: str, bomb: Path, watchers: int = 100):
-        self.url, self.bomb, self.watchers = url, bomb, watchers
-        self.session = None
-        self.watching = 0
-        self.ready, self.stopped = threading.Event(), threading.Event()
-        self.calls = 0
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stopped.set()
-        self.thread.join(timeout=WATCHDOG)
-
-    async def _run(self):
-        async with Device(self.url, "127.0.0.2") as device:
-            tasks = [asyncio.create_task(self._watch(device)) for _ in range(self.watchers)]
-            tasks += [asyncio.create_task(self._submit(device, i)) for i in range(3)]
-            while not self.stopped.is_set():
-                if self.session and self.watching >= self.watchers:
-                    self.ready.set()
-                await asyncio.sleep(0.1)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await cancel_all(device, self.session)
-
-    async def _watch(self, device):
-        counted = False
-        while True:
-            try:
-                async for _ in device.stream("watch", self.session):
-                    if not counted:
-                        counted, self.watching = True, self.watching + 1
-            except RemoteError:
-                pass
-            await asyncio.sleep(0.5)  # a phone that reloads
-
-    async def _submit(self, device, worker):
-        floods = [form(prompt="flood", seed=str(worker), steps=12, size="128x128"),
-                  form(size="2048x2048", steps=200), form(prompt="a" * 2**20), form(prompt="(" * 5000 + "x" + ")" * 5000)]
-        while True:
-            for values in floods:
-                try:
-                    session, message = await generate(device, *values, session=self.session)
-                    if not message:
-                        self.session = session
-                    await device.call("restore_png", await device.upload(self.bomb))  # read once, then deleted
-                except RemoteError:
-                    pass
-                self.calls += 2
 
 
 def timed_job(user: Client, seed: str, timeout: float) -> float:
