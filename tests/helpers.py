@@ -65,6 +65,8 @@ def free_port() -> int:
 
 
 def start_app(models_dir, outputs_dir, presets_dir, **config):
+    # These tests' one client calls faster than a phone: no per-device rate limit (tests/test_hostile.py checks it).
+    config.setdefault("calls_per_second", None)
     port = free_port()
     app = App(AppConfig(models_dir=models_dir, outputs_dir=outputs_dir, presets_dir=presets_dir, host="127.0.0.1",
                         port=port, demo=True, preview_size=64, **config))

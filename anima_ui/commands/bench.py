@@ -7,6 +7,7 @@ import importlib
 from anima_ui.cli import OneLineErrorParser
 
 BENCHMARKS = {
+    "crowd": "the served app under a hostile crowd: another user's job and status latency, refusal times",
     "memory": "peak RSS of the app process per generation phase and of verify, against the board's budget",
     "runtime": "split runtime: simulated board serial vs prefetch; onnxruntime vs torch on this machine",
     "spectrum": "Spectrum quality vs full computation and vs fewer Euler steps",

@@ -8,6 +8,7 @@ from anima_ui.jobs import PIXEL_STEP_BUDGETS, QueueLimits
 from anima_ui.runtime import BACKENDS
 from anima_ui.runtime.auto import resolve as resolve_backend
 from anima_ui.ui.app import App, AppConfig
+from anima_ui.ui.guards import CALLS_BURST, CALLS_PER_SECOND
 from anima_ui.ui.system import public_url
 
 
@@ -32,6 +33,9 @@ def add_arguments(parser):
     limits.add_argument("--max-megapixel-steps", type=float, default=None,
                         help=f"the largest job, width x height x steps in 2^20 pixels (1024x1024 at 30 steps is 30); "
                              f"default by backend: {budgets}")
+    limits.add_argument("--max-calls-per-second", type=float, default=CALLS_PER_SECOND,
+                        help=f"calls (queue joins, uploads) one device may make per second, after a burst of "
+                             f"{CALLS_BURST} (default {CALLS_PER_SECOND:g})")
     limits.add_argument("--max-upload-mb", type=int, default=32, help="largest PNG the restore box takes (default 32)")
     add_pipeline_arguments(parser)
 
@@ -59,6 +63,7 @@ def run(args) -> int:
         user_presets_dir=Path(args.user_presets) if args.user_presets else None,
         queue_limits=queue_limits(backend, args),
         max_upload_mb=args.max_upload_mb or None,
+        calls_per_second=args.max_calls_per_second or None,
     )
     if args.backend != "torch" and not args.no_tune_profile:
         from anima_ui.runtime.profile import find_profiles

@@ -4,7 +4,7 @@ big-screen page at /big. Every handler here only submits, watches or cancels job
 Anyone on the LAN can call any handler with any values, so: the job manager's limits decide what is queued (per
 device, by the client's address), watchers are coroutines that hold no thread while they wait, user-written text
 reaches Markdown only through `plain`, uploads are capped and deleted once read, and with a password, wrong guesses
-back off per address (anima_ui.ui.login)."""
+back off per address, and so do calls beyond a rate per address (anima_ui.ui.guards)."""
 
 import asyncio
 import os
@@ -24,7 +24,7 @@ from anima_ui.modelfiles import ModelPaths, missing_message
 from anima_ui.pipeline import Pipeline
 from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, FORECASTERS
 from anima_ui.ui import form, system
-from anima_ui.ui.login import LoginBackoff
+from anima_ui.ui.guards import CALLS_PER_SECOND, CallRateLimit, LoginBackoff
 from anima_ui.ui.watch import UNREADABLE, ab_comparison, job_labels, job_status, plain, read_session
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline board: no calls to Gradio's analytics host
@@ -35,6 +35,9 @@ SESSION_KEY = "anima-ui-session"
 SESSION_SECRET = "anima-ui-browserstate-v1"
 GALLERY_SIZE = 48
 WATCH_TICK = 1.0  # seconds between status refreshes while nothing changes (the elapsed time moves)
+# Seconds at least between two updates of one watcher: every job's every step is a change, and a hundred phones each
+# sent every one would take the server's event loop (a board's step takes seconds; the tiny model's, milliseconds).
+WATCH_EVERY = 1.0
 
 HEAD = """<script>
 // A phone tab that slept may look connected while its stream is dead: re-attach when it becomes visible.
@@ -63,6 +66,7 @@ class AppConfig:
     user_presets_dir: Path | None = None  # where users' presets go (default: <outputs>/presets); presets_dir is read-only
     queue_limits: QueueLimits | None = None  # default: QueueLimits.for_backend(backend)
     max_upload_mb: int | None = 32  # the restore box's PNGs (a 2048x2048 PNG made here is at most 13 MB); None: any
+    calls_per_second: float | None = CALLS_PER_SECOND  # queue joins and uploads per device (burst 30); None: any
 
 
 def client_address(request: gr.Request | None) -> str:
@@ -144,19 +148,23 @@ class App:
         note = f"Reusing the finished Spectrum-{' and '.join(reused)} image from history." if reused else ""
         return self._submitted({"jobs": [job.id for job in queued], "ab": refs, "last_seed": base.seed}, note)
 
-    async def follow(self, session, fresh):
+    async def follow(self, session, fresh, request: gr.Request = None):
         if not fresh:
             yield gr.skip()  # every output unchanged
             return
-        async for update in self.watch(session):
+        async for update in self.watch(session, request):
             yield update
 
-    async def watch(self, session):
+    async def watch(self, session, request: gr.Request = None):
         """Updates to the live view, status line, A/B slider and text, and gallery, as an async generator: between
         updates it awaits the job manager's next change on the event loop, so a hundred watching phones hold no
-        thread. Abandoning it (disconnect, Stop, reload) leaves the jobs running; a new page calls it again with the
-        same session."""
+        thread, and it sends one update a second at most. Abandoning it (disconnect, Stop, reload) leaves the jobs
+        running; a new page calls it again with the same session.
+        The final update carries the history gallery only to the device that submitted the jobs: the gallery is
+        most of a watcher's cost (48 files through Gradio's postprocessing), and a hundred phones sharing one
+        session would otherwise each get it at the end of every job."""
         ui = self.ui
+        viewer = client_address(request)
         session, readable = read_session(session)
         if not readable:
             yield {ui.status: UNREADABLE}
@@ -171,17 +179,25 @@ class App:
             yield {ui.status: self._gone(gone), ui.gallery: await asyncio.to_thread(self.gallery)}
             return
         labels = job_labels(session)
-        shown_preview, version = None, -1
+        loop = asyncio.get_running_loop()
+        shown_status, shown_preview, version, sent = None, None, -1, 0.0
         while True:
+            await asyncio.sleep(max(0.0, sent + WATCH_EVERY - loop.time()))
             current = next((j for j in followed if j.state not in FINISHED), None)
             if current is None:
-                yield await asyncio.to_thread(self._final, session, followed, labels)  # reads images from disk
+                mine = not followed or any(job.owner in (None, viewer) for job in followed)
+                yield await asyncio.to_thread(self._final, session, followed, labels, mine)  # reads images from disk
                 return
-            update = {ui.status: job_status(self.manager, current, labels.get(current.id, ""))}
+            update = {}
+            status = job_status(self.manager, current, labels.get(current.id, ""))
+            if status != shown_status:
+                shown_status = update[ui.status] = status
             if current.preview_path is not None and current.preview_path != shown_preview:
                 shown_preview = current.preview_path
                 update[ui.view] = str(shown_preview)
-            yield update
+            if update:  # nothing new, nothing sent
+                yield update
+                sent = loop.time()
             version = await self.manager.changed(version, timeout=WATCH_TICK)
 
     def _gone(self, job_id: str) -> str:
@@ -190,11 +206,11 @@ class App:
                     "one is older. If it finished, its image is in **History**.")
         return "The job this page followed is gone (the server restarted). Finished images are in **History**."
 
-    def _final(self, session, jobs, labels) -> dict:
+    def _final(self, session, jobs, labels, with_gallery: bool = True) -> dict:
         ui = self.ui
         last = jobs[-1] if jobs else None
         lines = [job_status(self.manager, j, labels.get(j.id, "")) for j in jobs]
-        update = {ui.gallery: self.gallery()}
+        update = {ui.gallery: self.gallery()} if with_gallery else {}
         if last is not None and last.item is not None:
             update[ui.view] = str(last.item.png_path)
         elif last is not None and last.preview_path is not None:
@@ -478,6 +494,14 @@ class App:
         return demo
 
     # -- launching --------------------------------------------------------------------------------------------------
+    def _guards(self) -> list[Middleware]:
+        guards = []
+        if self.config.calls_per_second:
+            guards.append(Middleware(CallRateLimit, per_second=self.config.calls_per_second))
+        if self.config.password:
+            guards.append(Middleware(LoginBackoff))
+        return guards
+
     def launch(self, **overrides):
         self.demo.queue(max_size=64, default_concurrency_limit=None, api_open=False)
         kwargs = dict(
@@ -485,7 +509,7 @@ class App:
             server_port=self.config.port,
             auth=_auth(self.config.password),
             auth_message="The password is on the whiteboard.",
-            app_kwargs={"middleware": [Middleware(LoginBackoff)]} if self.config.password else None,
+            app_kwargs={"middleware": self._guards()},
             max_file_size=self.config.max_upload_mb * 2**20 if self.config.max_upload_mb else None,
             allowed_paths=[str(Path(self.config.outputs_dir).resolve())],
             footer_links=[],

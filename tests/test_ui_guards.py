@@ -1,10 +1,10 @@
-"""The back-off on wrong passwords, per client address, on a stand-in for Gradio's /login (the served app is checked
-in tests/test_hostile.py)."""
+"""The guards per client address (the back-off on wrong passwords, the call rate limit), each in front of a stand-in
+for Gradio's routes (the served app is checked in tests/test_hostile.py)."""
 
 import asyncio
 import json
 
-from anima_ui.ui.login import FIRST_WAIT, LONGEST_WAIT, LoginBackoff, backoff_seconds
+from anima_ui.ui.guards import FIRST_WAIT, LONGEST_WAIT, CallRateLimit, LoginBackoff, backoff_seconds
 
 
 def test_each_wrong_password_doubles_the_wait_up_to_the_longest():
@@ -56,3 +56,17 @@ def test_an_address_waits_after_wrong_passwords_and_others_do_not():
     assert login(guard, "10.0.0.5", "right")[0] == 200  # a right password clears the address
     assert login(guard, "10.0.0.5", "wrong")[0] == 400 and guard.failures["10.0.0.5"][0] == 1
     assert login(guard, "10.0.0.5", "wrong", path="/config")[0] == 400  # other routes are not held back
+
+
+def test_calls_beyond_the_rate_wait_per_address():
+    clock = Clock()
+    guard = CallRateLimit(None, burst=3, per_second=2.0, clock=clock)
+    join = "/gradio_api/queue/join"
+    assert [login(guard, "10.0.0.7", "right", path=join)[0] for _ in range(3)] == [200] * 3  # the burst
+    status, body = login(guard, "10.0.0.7", "right", path=join)
+    assert status == 429 and body["detail"] == "Too many requests from this device: try again in 1 s"
+    assert login(guard, "10.0.0.7", "right", path="/gradio_api/upload")[0] == 429  # uploads count too
+    assert login(guard, "10.0.0.7", "right", path="/config")[0] == 200  # other routes do not
+    assert login(guard, "10.0.0.8", "right", path=join)[0] == 200  # another device
+    clock.now += 0.5  # one call's worth at 2 a second
+    assert [login(guard, "10.0.0.7", "right", path=join)[0] for _ in range(2)] == [200, 429]
