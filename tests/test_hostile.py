@@ -216,7 +216,7 @@ def test_row6_committed_presets_are_read_only_and_user_presets_live_beside_them(
     async def scenario():
         async with Device(server.url, "127.0.0.4") as stranger:
             overwrite = await stranger.call("save_preset", "Draft", "defaced", *PRESET[1:])
-            mine = await stranger.call("save_preset", "My style", "a fox at dawn", "", 5.0, 7, *PRESET[5:])
+            mine = await stranger.call("save_preset", "My style", "a fox at dawn", "", 5.0, 7, *PRESET[4:])
             applied = await stranger.call("apply_preset", "my-style")
             return shown(overwrite[-1]), mine, applied
 

@@ -29,6 +29,25 @@ from anima_ui.ui.watch import UNREADABLE, ab_comparison, job_labels, job_status,
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline board: no calls to Gradio's analytics host
 
+
+def _api_info_once_per_data_model(api_info):
+    """Gradio (6.x) answers every output a handler leaves out (a watcher's update sets 2 of its 5) by building a new
+    component, and each new component derives its data model's JSON schema again: 2-6 ms per skipped output, a whole
+    core for 100 watchers at one update a second. The schema is the data model's alone, so it is derived once."""
+    schemas = {}
+
+    def cached(component):
+        if component.data_model is None:
+            return api_info(component)
+        if component.data_model not in schemas:
+            schemas[component.data_model] = api_info(component)
+        return schemas[component.data_model]
+
+    return cached
+
+
+gr.components.Component.api_info = _api_info_once_per_data_model(gr.components.Component.api_info)
+
 # Fixed, so a job id stored in a phone's localStorage is still readable after a server restart
 # (random per start by default: gradio-app/gradio #10263). It is shipped to the page: obfuscation, not security.
 SESSION_KEY = "anima-ui-session"
