@@ -366,8 +366,8 @@ def test_row2_a_prompt_over_the_token_limit_fails_before_the_text_encoder_runs(m
     prompt = " ".join(f"tokens{i}" for i in range(400))  # 2688 T5 tokens in 3889 characters
     job = wait(manager, manager.submit(GenerationRequest(prompt=prompt, seed=1, steps=1, width=64, height=64)),
                timeout=WATCHDOG)
+    assert layers.count == 0, f"Qwen3 ran {layers.count} layer graphs before the refusal"
     assert job.state == "error" and "T5 tokens long; the limit is 512" in job.error, job.error
-    assert layers.count == 0
     wait(manager, manager.submit(GenerationRequest(prompt="a short one", seed=1, steps=1, width=64, height=64)),
          timeout=WATCHDOG)
     assert layers.count > 0  # the counter counts
