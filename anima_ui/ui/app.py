@@ -54,9 +54,10 @@ SESSION_KEY = "anima-ui-session"
 SESSION_SECRET = "anima-ui-browserstate-v1"
 GALLERY_SIZE = 48
 WATCH_TICK = 1.0  # seconds between status refreshes while nothing changes (the elapsed time moves)
-# Seconds at least between two updates of one watcher: every job's every step is a change, and a hundred phones each
-# sent every one would take the server's event loop (a board's step takes seconds; the tiny model's, milliseconds).
-WATCH_EVERY = 1.0
+# Seconds at least between two updates of a watcher on another device's jobs: every job's every step is a change, and a
+# hundred phones each sent every one would take the server's event loop (a board's step takes seconds; the tiny
+# model's, milliseconds). The device that submitted the jobs gets every change.
+SPECTATOR_WATCH_EVERY = 2.0
 
 HEAD = """<script>
 // A phone tab that slept may look connected while its stream is dead: re-attach when it becomes visible.
@@ -177,11 +178,12 @@ class App:
     async def watch(self, session, request: gr.Request = None):
         """Updates to the live view, status line, A/B slider and text, and gallery, as an async generator: between
         updates it awaits the job manager's next change on the event loop, so a hundred watching phones hold no
-        thread, and it sends one update a second at most. Abandoning it (disconnect, Stop, reload) leaves the jobs
-        running; a new page calls it again with the same session.
-        The final update carries the history gallery only to the device that submitted the jobs: the gallery is
-        most of a watcher's cost (48 files through Gradio's postprocessing), and a hundred phones sharing one
-        session would otherwise each get it at the end of every job."""
+        thread. Abandoning it (disconnect, Stop, reload) leaves the jobs running; a new page calls it again with the
+        same session.
+        Another device following these jobs (a phone given the session) is a spectator: one update every
+        SPECTATOR_WATCH_EVERY seconds at most, and no history gallery at the end. The gallery is most of a watcher's
+        cost (48 files through Gradio's postprocessing), and a hundred phones sharing one session would otherwise
+        each get it at the end of every job."""
         ui = self.ui
         viewer = client_address(request)
         session, readable = read_session(session)
@@ -198,13 +200,14 @@ class App:
             yield {ui.status: self._gone(gone), ui.gallery: await asyncio.to_thread(self.gallery)}
             return
         labels = job_labels(session)
+        mine = not followed or any(job.owner in (None, viewer) for job in followed)
+        every = 0.0 if mine else SPECTATOR_WATCH_EVERY
         loop = asyncio.get_running_loop()
         shown_status, shown_preview, version, sent = None, None, -1, 0.0
         while True:
-            await asyncio.sleep(max(0.0, sent + WATCH_EVERY - loop.time()))
+            await asyncio.sleep(max(0.0, sent + every - loop.time()))
             current = next((j for j in followed if j.state not in FINISHED), None)
             if current is None:
-                mine = not followed or any(job.owner in (None, viewer) for job in followed)
                 yield await asyncio.to_thread(self._final, session, followed, labels, mine)  # reads images from disk
                 return
             update = {}
