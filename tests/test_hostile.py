@@ -21,7 +21,7 @@ import pytest
 from gradio_client import Client
 
 from anima_ui import download, jobs
-from anima_ui.bench.crowd import ChildServer, Device, Flood, RemoteError, form, png_with_parameters
+from anima_ui.bench.crowd import ChildServer, Device, Flood, RemoteError, User, form, png_with_parameters
 from anima_ui.fixtures.weights import write_random_taehv
 from anima_ui.history import History
 from anima_ui.jobs import JobManager
@@ -464,36 +464,23 @@ RATIO = 12.0  # the user's job may take this many times as long as alone: 3 jobs
 # model's job is 0.3-1.5 s alone, so fixed per-update costs weigh; before the fixes the server froze for hours)
 
 
-def timed_job(user: Client, seed: str, timeout: float) -> float:
-    """Seconds from Generate to the watcher's "Done" for the user's steady job (128x128, 12 steps)."""
-    started = time.perf_counter()
-    session, message = user.predict(None, *form(prompt="a job on time", seed=seed, steps=12, size="128x128"),
-                                    api_name="/generate")
-    assert message == "", message
-    final = user.submit(session, api_name="/watch").result(timeout=timeout)
-    assert "Done" in final[1], final[1]
-    return time.perf_counter() - started
-
-
-def timed_status(user: Client, timeout: float) -> float:
-    started = time.perf_counter()
-    assert "Backend" in user.submit(api_name="/status").result(timeout=timeout)
-    return time.perf_counter() - started
-
-
 def test_row5_a_hundred_watchers_and_a_flood_leave_another_users_job_on_time(server, tmp_path):
-    user = Client(server.url, verbose=False)
-    alone = min(timed_job(user, seed, WATCHDOG) for seed in ("71", "72"))
-    status_alone = statistics.median(timed_status(user, WATCHDOG) for _ in range(3))
-    bomb = png_with_parameters(tmp_path / "bomb.png", "p\n" + "a" * 1_000_000)
-    with Flood(server.url, bomb) as flood:
-        assert flood.ready.wait(WATCHDOG), f"the flood did not start ({flood.watching} watchers)"
-        status_flood = statistics.median(timed_status(user, 60 * max(status_alone, 0.5)) for _ in range(3))
-        try:
-            crowded = timed_job(user, "73", RATIO * alone)
-        except TimeoutError:
-            pytest.fail(f"the job took over {RATIO}x its {alone:.1f} s alone under the flood")
-        calls = flood.calls
+    # The user is the bench's light client at 127.0.0.1 (`anima-ui bench crowd` measures the same).
+    user = User(server.url)
+    try:
+        alone = min(user.job(seed, WATCHDOG) for seed in ("71", "72"))  # 128x128, 12 steps
+        status_alone = statistics.median(user.status(WATCHDOG) for _ in range(3))
+        bomb = png_with_parameters(tmp_path / "bomb.png", "p\n" + "a" * 1_000_000)
+        with Flood(server.url, bomb) as flood:
+            assert flood.ready.wait(WATCHDOG), f"the flood did not start ({flood.watching} watchers)"
+            status_flood = statistics.median(user.status(60 * max(status_alone, 0.5)) for _ in range(3))
+            try:
+                crowded = user.job("73", RATIO * alone)
+            except TimeoutError:
+                pytest.fail(f"the job took over {RATIO}x its {alone:.1f} s alone under the flood")
+            calls = flood.calls
+    finally:
+        user.close()
     print(f"\njob alone {alone:.2f} s, under the flood {crowded:.2f} s ({crowded / alone:.2f}x); status alone "
           f"{status_alone * 1000:.0f} ms, with {flood.watchers} watchers and the flood {status_flood * 1000:.0f} ms; "
           f"{calls} flood calls")

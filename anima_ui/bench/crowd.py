@@ -279,23 +279,23 @@ class User:
     def do(self, coroutine, timeout: float = 600.0):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
-    def timed(self, what: str, coroutine) -> tuple[float, object]:
+    def timed(self, what: str, coroutine, timeout: float = 600.0) -> tuple[float, object]:
         async def timing():
             started = time.perf_counter()
             result = await coroutine
             return time.perf_counter() - started, result
 
-        seconds, result = self.do(timing())
+        seconds, result = self.do(timing(), timeout)
         self.latencies.append((what, seconds))
         return seconds, result
 
-    def status(self) -> float:
-        return self.timed("status", self.device.call("status"))[0]
+    def status(self, timeout: float = 600.0) -> float:
+        return self.timed("status", self.device.call("status"), timeout)[0]
 
     def page(self) -> float:
         return self.timed("page", self.device.http.get("/"))[0]
 
-    def job(self, seed: str) -> float:
+    def job(self, seed: str, timeout: float = 600.0) -> float:
         """Seconds from Generate to the watcher's last update for a 128x128, 12-step job; the Generate call itself
         counts as one request."""
         started = time.perf_counter()
@@ -304,7 +304,7 @@ class User:
         session, message = outputs[:2]
         if message:
             raise RuntimeError(f"the user's job was refused: {message}")
-        final = self.do(self.device.call("watch", session))
+        final = self.do(self.device.call("watch", session), timeout)
         if "Done" not in str(final[1]):
             raise RuntimeError(f"the user's job did not finish: {final[1]}")
         return time.perf_counter() - started
