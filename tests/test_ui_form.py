@@ -7,7 +7,7 @@ import pytest
 from anima_ui.errors import UserError
 from anima_ui.sampling.spectrum import DEFAULT_FORECASTER, SETTINGS, canonical
 from anima_ui.ui import form
-from anima_ui.ui.watch import job_status
+from anima_ui.ui.watch import job_status, plain
 
 
 def _request(**overrides):
@@ -136,4 +136,4 @@ def test_the_result_line_names_the_decoder_and_the_npu_layout():
     assert "seed 7 · VAE npu (halo) · 00001-7.png" in done({"decoder": "npu", "decoder_layout": "halo"})
     assert "seed 7 · VAE sdcpp · 00001-7.png" in done({"decoder": "sdcpp", "decoder_layout": None})
     fallback = done({"decoder": "onnx", "warning": "stable-diffusion.cpp VAE unavailable (no library); decoded with the onnx decoder"})
-    assert "VAE onnx" in fallback and "⚠️ stable-diffusion.cpp VAE unavailable" in fallback
+    assert "VAE onnx" in fallback and "⚠️ " + plain("stable-diffusion.cpp VAE unavailable (no library)") in fallback  # escaped: user-facing Markdown
