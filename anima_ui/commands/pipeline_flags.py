@@ -6,7 +6,7 @@ from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.runtime.backends import CORE_MASKS
 from anima_ui.runtime.board_latency import CONTENTION
 from anima_ui.runtime.memory import SWAP_POLICIES
-from anima_ui.runtime.variants import VARIANTS, parse_variants
+from anima_ui.runtime.variants import VARIANTS, Plan, parse_variants
 
 
 def add_gate_arguments(parser):
@@ -80,8 +80,6 @@ def pipeline_options(args) -> dict:
 
 def runtime_plan(args):
     """The plan the flags ask for, for commands that read no tune profile (verify, bench): prefetch by default."""
-    from anima_ui.runtime.variants import Plan
-
     options = runtime_options(args)
     return Plan(options["variants"] or dict.fromkeys(BRANCH_KINDS, "prefetch"), contexts=options["contexts"] or 2,
                 core_mask=options["core_mask"], wait_for_inference=options["wait_for_inference"])

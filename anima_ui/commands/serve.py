@@ -7,6 +7,7 @@ from anima_ui.commands.pipeline_flags import add_pipeline_arguments, pipeline_op
 from anima_ui.jobs import PIXEL_STEP_BUDGETS, QueueLimits
 from anima_ui.runtime import BACKENDS
 from anima_ui.runtime.auto import resolve as resolve_backend
+from anima_ui.runtime.profile import find_profiles
 from anima_ui.ui.app import App, AppConfig
 from anima_ui.ui.guards import CALLS_BURST, CALLS_PER_SECOND
 from anima_ui.ui.system import public_url
@@ -66,8 +67,6 @@ def run(args) -> int:
         calls_per_second=args.max_calls_per_second or None,
     )
     if args.backend != "torch" and not args.no_tune_profile:
-        from anima_ui.runtime.profile import find_profiles
-
         for profile in find_profiles(models, args.backend):
             print(f"using the tune profile for {profile.summary()}")
     app = App(config)
