@@ -17,6 +17,8 @@ COMMANDS = {
     "convert-rknn": ("convert_rknn", "convert exported ONNX graphs to RKNN (needs .venv-rknn)"),
     "verify": ("verify", "compare the split runtime with the reference forward"),
     "tune": ("tune", "measure the fastest correct way to run the branch graphs here; write the profile generate/serve use"),
+    "calibrate": ("calibrate", "record every block's FFN inputs from real generations (for the W8A8 + low-rank FFNs)"),
+    "quantize-ffn": ("quantize_ffn", "W8A8 + FP16 low-rank FFN graphs from a calibration, gated per block and end to end"),
     "bench": ("bench", "benchmarks that print tables: runtime, spectrum, vae"),
     "spectrum-plan": ("spectrum_plan", "print which steps Spectrum computes and which it forecasts"),
     "serve": ("serve", "start the Gradio app"),
