@@ -24,11 +24,14 @@ def dit_forward(
     kv: list[tuple[np.ndarray, np.ndarray]],
     rope: tuple[np.ndarray, np.ndarray],
     on_block: Callable[[int, np.ndarray], None] | None = None,
+    ffn_input_scales: dict[int, np.ndarray] | None = None,
 ) -> np.ndarray:
     """x [B,C,h,w] model-space latent, sigma [B] -> velocity [B,C,h,w] (float32).
 
     kv: per block (k, v) [B,S,D] from `prepare_kv`; rope: (cos, sin) [N,hd] from `prepare_rope`.
-    on_block(i, X) sees the residual stream [B,N,D] after block i (a live array: copy it to keep it)."""
+    on_block(i, X) sees the residual stream [B,N,D] after block i (a live array: copy it to keep it).
+    ffn_input_scales: block -> λ [D] for the blocks whose FFN graph takes its input divided by λ (a smoothed
+    W8A8 FFN); the division is folded into that block's FFN modulation, so it costs nothing per token."""
     b, channels, h, w = x.shape
     patch = _patch_size(weights, channels)
     residual = host.patchify(np.asarray(x, np.float32), patch) @ weights["x_embedder.proj.1.weight"].T
@@ -43,6 +46,8 @@ def dit_forward(
         }
         for kind in BRANCH_KINDS:
             shift, scale, gate = modulations[i][kind]
+            if kind == "mlp" and ffn_input_scales and i in ffn_input_scales:
+                shift, scale = host.fold_input_scale(shift, scale, ffn_input_scales[i])
             out = run_branch(i, kind, {"h": host.adaln(residual, shift, scale), **branch_inputs[kind]})
             host.add_gated(residual, gate, out)
         if on_block is not None:

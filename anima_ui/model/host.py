@@ -88,6 +88,12 @@ def adaln(x: np.ndarray, shift: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return h
 
 
+def fold_input_scale(shift: np.ndarray, scale: np.ndarray, lam: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(shift, scale) such that adaln(x, shift, scale) = adaln(x, shift₀, scale₀) / λ: ((1 + scale)/λ − 1, shift/λ)."""
+    lam = np.asarray(lam, np.float32)
+    return shift / lam, (1.0 + scale) / lam - 1.0
+
+
 def add_gated(x: np.ndarray, gate: np.ndarray, branch_out: np.ndarray) -> None:
     """The residual update x += gate ⊙ branch, in place, in float32."""
     x += gate[:, None, :] * branch_out

@@ -50,8 +50,8 @@ def check_conversion(q: QuantizedFfn, conversion, check_inputs: list[np.ndarray]
     """Op table as intended, and the simulator's outputs against the emulator's on the same inputs."""
     gaps, errors = [], []
     for x_hat, simulated in zip(check_inputs, conversion.sim_outputs):
-        x = x_hat * q.smooth_in  # the emulator takes the unsmoothed input, as the host has it
-        emulated = emulate(q, x)
+        emulated = emulate(q, x_hat)
+        x = x_hat * q.smooth_in
         ref = reference(x.reshape(-1, x.shape[-1])).reshape(x.shape)
         gaps.append(rel_error(emulated, simulated))
         errors.append(rel_error(simulated, ref))

@@ -87,15 +87,17 @@ def compare(latent_a, image_a, latent_b, image_b) -> dict:
     return {"latent_cosine": cosine(latent_a, latent_b), "psnr_db": float(psnr(a, b)), "ssim": ssim(a, b)}
 
 
-def emulators_of(quantized: dict[int, QuantizedFfn]) -> dict:
-    return {block: partial(emulate, q) for block, q in quantized.items()}
+def emulators_of(quantized: dict[int, QuantizedFfn]) -> tuple[dict, dict]:
+    """(block -> emulated graph, block -> λ1 for dit_forward's AdaLN fold)."""
+    return {b: partial(emulate, q) for b, q in quantized.items()}, {b: q.smooth_in for b, q in quantized.items()}
 
 
-def end_to_end(weights: dict, config, run_branch, encode, decode, ffn_weights: dict, emulators: dict,
+def end_to_end(weights: dict, config, run_branch, encode, decode, ffn_weights: dict, emulators: tuple[dict, dict],
                prompts=PROMPTS, seeds=SEEDS, steps: int = 20, cfg: float = 4.0, width: int = 512, height: int = 512,
                negative: str = "", progress=None) -> EndToEnd:
-    """decode(latent) -> uint8 image [H, W, 3]; ffn_weights: block -> (w1 [D, F], w2 [F, D]); emulators: block ->
-    the emulated quantized FFN (`emulators_of`)."""
+    """decode(latent) -> uint8 image [H, W, 3]; ffn_weights: block -> (w1 [D, F], w2 [F, D]); emulators: the
+    emulated quantized graphs and their input scales (`emulators_of`), which the host folds into AdaLN as on the board."""
+    graphs, input_scales = emulators
     rope = prepare_rope(config, height // 8, width // 8)
     sigmas = simple_sigmas(steps)
     uncond = encode(negative)
@@ -107,7 +109,9 @@ def end_to_end(weights: dict, config, run_branch, encode, decode, ffn_weights: d
             noise = initial_noise(seed, height, width)
             runs = {}
             for mode in ("fp32", "fp16", "quant"):
-                latent = cfg_sample(weights, ffn_branch(run_branch, ffn_weights, mode, emulators), kv, rope, noise, sigmas, cfg)
+                scales = input_scales if mode == "quant" else None
+                latent = cfg_sample(weights, ffn_branch(run_branch, ffn_weights, mode, graphs), kv, rope, noise, sigmas, cfg,
+                                    ffn_input_scales=scales)
                 runs[mode] = (latent, decode(latent))
             fp16_runs[seed] = runs["fp16"]
             result.rows.append({"prompt": prompt, "seed": seed, "quant_vs_fp16": compare(*runs["quant"], *runs["fp16"]),

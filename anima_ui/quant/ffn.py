@@ -79,11 +79,11 @@ def emulate_layer2(q: QuantizedFfn, mid: np.ndarray) -> np.ndarray:
     return _layer(mid, q.quantizer("mid"), mid, q.r2, q.la2, q.lb2, q.quantizer("res2"))
 
 
-def emulate(q: QuantizedFfn, x: np.ndarray) -> np.ndarray:
-    """The quantized FFN of the original (unsmoothed) input x [..., D], λ1 applied as the host applies it."""
-    x = np.asarray(x, np.float32)
-    shape = x.shape
-    pre = emulate_layer1(q, x.reshape(-1, shape[-1]) / q.smooth_in)
+def emulate(q: QuantizedFfn, h: np.ndarray) -> np.ndarray:
+    """The graph's output for its input h [..., D] = x/λ1 (the host folds λ1 into the AdaLN modulation)."""
+    h = np.asarray(h, np.float32)
+    shape = h.shape
+    pre = emulate_layer1(q, h.reshape(-1, shape[-1]))
     mid = f16(f16(gelu(pre)) * f16(q.inv_smooth_mid))
     return emulate_layer2(q, mid).reshape(shape)
 

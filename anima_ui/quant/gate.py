@@ -89,7 +89,7 @@ def gate_block(block: int, w1: np.ndarray, w2: np.ndarray, calib: BlockCalibrati
                                   quantize_ffn(w1, w2, calib.calib_x, rank, calib.amax_x, calib.amax_hidden, h1, h2))
         for candidate in candidates:
             q = candidate() if callable(candidate) else candidate
-            m = measure(emulate(q, x), reference, calib)
+            m = measure(emulate(q, x / q.smooth_in), reference, calib)
             ok = passes(m)
             result.tries.append({"rank": rank, "alpha1": q.alpha1, "alpha2": q.alpha2, **m,
                                  "residual_vs_fp16": m["residual_error"] / max(result.fp16["residual_error"], 1e-300), "passed": ok})

@@ -9,17 +9,18 @@ from anima_ui.sampling.euler import euler_steps
 
 
 def cfg_sample(weights: dict, run_branch, kv, rope, noise: np.ndarray, sigmas: np.ndarray, cfg: float,
-               before_forward=None, on_block=None, last_step: int | None = None) -> np.ndarray:
+               before_forward=None, on_block=None, last_step: int | None = None, ffn_input_scales=None) -> np.ndarray:
     """Euler with CFG (cond = kv batch item 0, uncond = item 1) from `noise` [1, C, h, w]; returns the latent after
     the last step, or after step `last_step` (0-based) to stop early. before_forward(step, sigma) runs before
-    each model evaluation; on_block is dit_forward's."""
+    each model evaluation; on_block and ffn_input_scales are dit_forward's."""
     step = {"index": 0}
 
     def predict_x0(x, sigma):
         if before_forward is not None:
             before_forward(step["index"], sigma)
         xs = np.repeat(x, 2, axis=0)
-        velocity = dit_forward(weights, run_branch, xs, np.full(2, sigma, np.float32), kv, rope, on_block=on_block)
+        velocity = dit_forward(weights, run_branch, xs, np.full(2, sigma, np.float32), kv, rope, on_block=on_block,
+                               ffn_input_scales=ffn_input_scales)
         x0 = xs - sigma * velocity
         return cfg_combine(x0[:1], x0[1:], cfg)
 
