@@ -41,6 +41,7 @@ def _prompts(path: Path | None, default: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def run(args) -> int:
+    from anima_ui.modelfiles import ModelPaths
     from anima_ui.pipeline import Pipeline
     from anima_ui.quant.capture import CALIB_PROMPTS, HELDOUT_PROMPTS, CaptureSettings, capture, checkpoint_layer1
 
@@ -52,8 +53,12 @@ def run(args) -> int:
         calib_prompts=_prompts(args.calib_prompts, CALIB_PROMPTS), heldout_prompts=_prompts(args.heldout_prompts, HELDOUT_PROMPTS),
         extra={"backend": args.backend},
     )
+    paths = ModelPaths.find(args.models)
+    graphs = paths.rknn_dir(args.width, args.height) if args.backend == "rknn" else paths.exported_dir(args.width, args.height)
+    if args.backend != "torch" and not (graphs / "manifest.json").is_file():
+        raise UserError(f"no graphs for {args.width}x{args.height} in {graphs}: run `anima-ui export` (and `convert-rknn` for rknn) first")
     pipeline = Pipeline.load(args.models, backend=args.backend)
-    out = Path(args.out) if args.out else pipeline.paths.root / "calibration" / f"{args.width}x{args.height}"
+    out = Path(args.out) if args.out else paths.root / "calibration" / f"{args.width}x{args.height}"
     started = time.perf_counter()
     runtime = None
     if args.backend == "torch":
@@ -63,9 +68,6 @@ def run(args) -> int:
     else:
         from anima_ui.runtime import open_runtime
 
-        graphs = pipeline.paths.rknn_dir(args.width, args.height) if args.backend == "rknn" else pipeline.paths.exported_dir(args.width, args.height)
-        if not (graphs / "manifest.json").is_file():
-            raise UserError(f"no graphs for {args.width}x{args.height} in {graphs}: run `anima-ui export` (and `convert-rknn` for rknn) first")
         run_branch = runtime = open_runtime(args.backend, graphs)
     try:
         progress = lambda line: print(line, file=sys.stderr, flush=True)

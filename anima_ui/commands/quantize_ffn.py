@@ -33,6 +33,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from anima_ui.modelfiles import ModelPaths
     from anima_ui.pipeline import Pipeline
     from anima_ui.quant.build import ffn_weights, quantize_model
     from anima_ui.quant.capture import read_calibration
@@ -42,12 +43,13 @@ def run(args) -> int:
         raise UserError(f"--prompts must be from 1 to {len(PROMPTS)}, got {args.prompts}")
     if any(r < 1 for r in args.ranks):
         raise UserError(f"--ranks must be positive, got {args.ranks}")
-    pipeline = Pipeline.load(args.models, backend=args.backend)
     size = f"{args.width}x{args.height}"
-    calibration = Path(args.calibration) if args.calibration else pipeline.paths.root / "calibration" / size
-    meta, blocks = read_calibration(calibration)
+    paths = ModelPaths.find(args.models)
+    calibration = Path(args.calibration) if args.calibration else paths.root / "calibration" / size
+    meta, blocks = read_calibration(calibration)  # before loading anything: a missing calibration fails at once
     if (meta["width"], meta["height"]) != (args.width, args.height):
         raise UserError(f"{calibration} was captured at {meta['width']}x{meta['height']}, not {size}: pass --width/--height to match")
+    pipeline = Pipeline.load(args.models, backend=args.backend)
     config = pipeline.config
     if len(blocks) != config.num_blocks:
         raise UserError(f"{calibration} has {len(blocks)} blocks, the model {config.num_blocks}: calibrate this model again")

@@ -1,0 +1,163 @@
+"""The mechanism, without real weights: on the synthetic outlier model (the tiny model with 20-50x FFN input
+channels and weight columns, written in the official layout), `anima-ui calibrate` then `anima-ui quantize-ffn`
+quantize every FFN and pass both gates, while plain W8A8 fails the per-block gate and the end-to-end one."""
+
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+from anima_ui.model.checkpoint import load_dit
+from anima_ui.model.forward import TorchBranches
+from anima_ui.modelfiles import ModelPaths
+from anima_ui.quant import gate
+from anima_ui.quant.build import ffn_weights, quantize_model
+from anima_ui.quant.capture import read_calibration
+from anima_ui.quant.e2e import PROMPTS, end_to_end
+from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain
+from anima_ui.quant.synthetic import write_outlier_model
+from anima_ui.text.encoder import TextEncoder
+from anima_ui.vae.decode import decode_latent
+
+# One BLAS/torch thread per process: on a shared 2-core machine their default thread pools mostly wait on each other.
+ONE_THREAD = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def anima_ui(*args):
+    return subprocess.run([sys.executable, "-m", "anima_ui", *args], capture_output=True, text=True, timeout=900, env=ONE_THREAD)
+
+
+@pytest.fixture(scope="module")
+def outlier_model(tmp_path_factory):
+    folder, chosen = write_outlier_model(tmp_path_factory.mktemp("quant") / "outliers", seed=0)
+    result = anima_ui("calibrate", "--models", str(folder), "--backend", "torch", "--width", "64", "--height", "64", "--tokens", "16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder, chosen
+
+
+@pytest.fixture(scope="module")
+def quantized(outlier_model):
+    folder, _ = outlier_model
+    result = anima_ui("quantize-ffn", "--models", str(folder), "--width", "64", "--height", "64", "--backend", "torch", "--prompts", "2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads((folder / "quant" / "64x64" / "report.json").read_text()), result.stdout
+
+
+@pytest.fixture
+def one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_calibration_has_outliers_and_both_splits(outlier_model):
+    folder, chosen = outlier_model
+    meta, blocks = read_calibration(folder / "calibration" / "64x64")
+    assert meta["capture_steps"][0] == 0 and meta["capture_steps"][-1] == 19 and len(meta["capture_steps"]) == 8
+    assert "" in meta["calib_prompts"] and not set(meta["calib_prompts"]) & set(meta["heldout_prompts"])
+    for block, calib in enumerate(blocks):
+        # 8 prompts x 8 steps x (cond, uncond) x 16 tokens; 4 held-out prompts
+        assert calib.calib_x.shape == (8 * 8 * 2 * 16, 64) and calib.heldout_x.shape == (4 * 8 * 2 * 16, 64)
+        outliers = calib.amax_x[chosen[block]["activation"]]
+        assert np.median(outliers) > 5 * np.median(calib.amax_x), "the scaled channels must stand out"
+        assert np.all(calib.amax_x >= np.abs(calib.calib_x).max(axis=0) * (1 - 1e-3))  # amax covers every token, not only kept ones
+
+
+def test_low_rank_passes_where_plain_w8a8_fails_per_block(outlier_model, quantized):
+    folder, _ = outlier_model
+    report, stdout = quantized
+    _, blocks = read_calibration(folder / "calibration" / "64x64")
+    dit = ModelPaths.find(folder).dit
+    assert report["passed"] and report["quantized_blocks"] == [0, 1]
+    for entry, calib in zip(report["blocks"], blocks):
+        chosen = entry["tries"][-1]
+        assert entry["quantized"] and chosen["passed"] and chosen["rank"] == 32
+        assert chosen["cosine"] >= gate.MIN_FFN_COSINE and chosen["rel_error"] <= gate.MAX_FFN_REL_ERROR
+        assert chosen["residual_error"] <= gate.MAX_RESIDUAL_ERROR
+        w1, w2 = ffn_weights(dit, entry["block"])
+        reference = gate.onnx_reference(w1, w2, calib.heldout_x)
+        plain = gate.measure(emulate_plain(w1, w2, calib.calib_x, calib.heldout_x), reference, calib)
+        assert not gate.passes(plain) and plain["rel_error"] > 5 * chosen["rel_error"]
+        q = QuantizedFfn.load(folder / "quant" / "64x64" / f"block{entry['block']:02d}_mlp_w8a8.npz")
+        assert gate.measure(emulate(q, calib.heldout_x / q.smooth_in), reference, calib)["rel_error"] == pytest.approx(chosen["rel_error"])
+    assert "2 of 2 FFNs quantized; PASSED" in stdout
+
+
+def test_end_to_end_passes_for_low_rank(quantized):
+    report, _ = quantized
+    e2e = report["end_to_end"]
+    assert e2e["passed"] and not e2e["failures"] and len(e2e["rows"]) == 2 * 2
+    t = e2e["thresholds"]
+    for row in e2e["rows"]:
+        assert row["quant_vs_fp16"]["psnr_db"] >= t["min_psnr_db"] >= 30.0
+        assert row["quant_vs_fp16"]["latent_cosine"] >= t["min_latent_cosine"]
+        assert row["fp16_vs_fp32"]["psnr_db"] > row["quant_vs_fp16"]["psnr_db"]  # FP16's own noise is smaller still
+    # the thresholds are 20 dB / 1 % of the distance between two seeds' images
+    assert t["min_psnr_db"] == pytest.approx(max(s["psnr_db"] for s in e2e["seed_spread"]) + 20.0)
+
+
+def test_plain_w8a8_fails_end_to_end(outlier_model, quantized, one_torch_thread):
+    folder, _ = outlier_model
+    report, _ = quantized
+    paths = ModelPaths.find(folder)
+    config, state = load_dit(paths.dit)
+    _, blocks = read_calibration(folder / "calibration" / "64x64")
+    weights = {b: ffn_weights(paths.dit, b) for b in range(config.num_blocks)}
+    plain = {b: partial(emulate_plain, *weights[b], calib.calib_x) for b, calib in enumerate(blocks)}
+    decode = lambda latent: np.asarray(decode_latent(latent, paths.vae, prefer="torch")[0])
+    result = end_to_end(state, config, TorchBranches(state, config), TextEncoder.load(paths, state).encode, decode, weights,
+                        (plain, {}), prompts=PROMPTS[:1], width=64, height=64)
+    assert not result.passed
+    low_rank_psnr = min(r["quant_vs_fp16"]["psnr_db"] for r in report["end_to_end"]["rows"])
+    assert max(r["quant_vs_fp16"]["psnr_db"] for r in result.rows) < low_rank_psnr - 10
+
+
+def test_a_block_that_cannot_pass_stays_fp16(outlier_model, tmp_path, monkeypatch):
+    folder, _ = outlier_model
+    _, blocks = read_calibration(folder / "calibration" / "64x64")
+    monkeypatch.setattr(gate, "MAX_FFN_REL_ERROR", 1e-4)
+    report = quantize_model(ModelPaths.find(folder).dit, blocks[:1], (1, 16, 64), tmp_path / "q", end_to_end=lambda e: pytest.fail("no e2e without a quantized block"))
+    entry = report["blocks"][0]
+    assert not entry["quantized"] and not report["passed"] and report["quantized_blocks"] == []
+    # rank 32 with the searched α, then higher α, then rank 64 likewise
+    assert [t["rank"] for t in entry["tries"]][0] == 32 and entry["tries"][-1]["rank"] == 64
+    assert entry["tries"][1]["alpha1"] >= entry["tries"][0]["alpha1"] and entry["tries"][1]["alpha2"] >= entry["tries"][0]["alpha2"]
+    assert not any(t["passed"] for t in entry["tries"])
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == ["report.json"]
+
+
+def test_commands_say_what_to_run_first(tmp_path, outlier_model):
+    folder, _ = outlier_model
+    result = anima_ui("quantize-ffn", "--models", str(folder), "--width", "128", "--height", "128", "--backend", "torch")
+    assert result.returncode == 2 and "run `anima-ui calibrate` first" in result.stderr
+    result = anima_ui("calibrate", "--models", str(folder), "--backend", "onnx", "--width", "128", "--height", "128")
+    assert result.returncode == 2 and "run `anima-ui export`" in result.stderr
+
+
+def test_capture_through_onnx_graphs_matches_torch(tmp_path):
+    """The graph backends capture the same activations without the fp32 DiT in memory."""
+    from anima_ui.commands.random_model import write_random_model
+
+    folder = write_random_model(tmp_path / "tiny", "tiny", 1)
+    assert anima_ui("export", "--models", str(folder), "--width", "64", "--height", "64",
+                    "--out", str(folder / "exported" / "64x64")).returncode == 0
+    (tmp_path / "calib.txt").write_text("a red bicycle\n")
+    (tmp_path / "heldout.txt").write_text("a blue boat\n")
+    outputs = {}
+    for backend in ("onnx", "torch"):
+        outputs[backend] = tmp_path / backend
+        result = anima_ui("calibrate", "--models", str(folder), "--backend", backend, "--width", "64", "--height", "64",
+                          "--calib-prompts", str(tmp_path / "calib.txt"), "--heldout-prompts", str(tmp_path / "heldout.txt"),
+                          "--capture-steps", "0", "19", "--out", str(outputs[backend]))
+        assert result.returncode == 0, result.stderr[-3000:]
+    (_, from_onnx), (_, from_torch) = read_calibration(outputs["onnx"]), read_calibration(outputs["torch"])
+    for a, b in zip(from_onnx, from_torch):
+        assert a.calib_x.shape == b.calib_x.shape == (2 * 2 * 16, 64)
+        for name in ("calib_x", "heldout_x", "amax_x", "amax_hidden", "heldout_gate", "heldout_residual_norm"):
+            assert np.allclose(getattr(a, name), getattr(b, name), rtol=2e-3, atol=2e-3), name
