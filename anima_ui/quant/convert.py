@@ -117,8 +117,10 @@ def convert_ffn(onnx_path, rknn_path, mode: str, dataset: list[np.ndarray], chec
                                   env={**os.environ, "RKNN_LOG_LEVEL": "5"}).returncode
         text = log.read_text(errors="replace")
         if code != 0:
-            tail = [line for line in text.strip().splitlines() if line.strip()][-1:] or ["no output"]
-            raise UserError(f"RKNN conversion of {Path(onnx_path).name} failed (exit {code}): {tail[0][:300]}")
+            lines = [line for line in text.strip().splitlines() if line.strip()]
+            errors = [line for line in lines if "Error:" in line or "failed" in line]
+            reason = (errors or lines or ["no output"])[-1]
+            raise UserError(f"RKNN conversion of {Path(onnx_path).name} failed (exit {code}): {reason[:300]}")
         result = json.loads((tmp / "result.json").read_text())
         outputs = [np.load(p) for p in result.pop("sim_outputs")]
     return Conversion(Path(rknn_path), result.pop("toolkit"), result.pop("build_seconds"), parse_op_table(text), outputs,

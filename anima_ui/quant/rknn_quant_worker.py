@@ -10,7 +10,12 @@ job's check inputs, whose outputs are saved as .npy.
 
 The .cfg is edited as text: a YAML round-trip rewrites the scale/zero-point fields, which step 2 then
 rejects ("... is not allowed to be modified!"). Only min/max may change, and the toolkit recomputes the
-scale and zero point from them. Initializers may not be listed in custom_quantize_layers.
+scale and zero point from them; step 2 accepts edited ranges only under the "normal" algorithm ("Not support
+modify quantize_parameters when config.quantized_algorithm = mmse", the same for kl_divergence), so the
+ranges are searched on the host instead. Initializers may not be listed in custom_quantize_layers.
+
+torch: this path touches only `torch.no_grad` (the toolkit's import-time decorator), checked by running it with
+a recording stand-in for torch; the real torch is not needed for W8A8 with the "normal" algorithm.
 
 The toolkit's build log (with RKNN_LOG_LEVEL=5 its op table: type, dtype and modelled cycles per op) goes
 to this process's stdout/stderr, which the caller keeps; the result is written to the job's result file."""

@@ -1,0 +1,77 @@
+"""The rknn tier for the W8A8 + low-rank FFNs (`pytest -m rknn`, needs .venv-rknn): the tiny synthetic outlier
+model's quantized FFNs built with hybrid quantization, their op tables, and the emulator against the toolkit's
+simulator; the toolkit's own W8A8 and FP16 builds against the emulator's models of them."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from anima_ui.convert.convert_rknn import VENV_PYTHON
+from anima_ui.modelfiles import ModelPaths
+from anima_ui.quant.build import ffn_weights, graph_inputs, quantize_model
+from anima_ui.quant.capture import read_calibration
+from anima_ui.quant.convert import convert_ffn
+from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain
+from anima_ui.quant.gate import rel_error
+from anima_ui.quant.graph import float_ffn_model, save
+from anima_ui.quant.numerics import ffn_fp16, ffn_fp32
+from anima_ui.quant.synthetic import write_outlier_model
+
+pytestmark = pytest.mark.rknn
+SHAPE = (1, 16, 64)  # 64x64 images: 16 tokens of the 64-wide tiny model
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    if not VENV_PYTHON.exists():
+        pytest.fail(f"{VENV_PYTHON} is missing: run scripts/make_rknn_venv.sh before `pytest -m rknn`")
+    folder, _ = write_outlier_model(tmp_path_factory.mktemp("quant-rknn") / "outliers", seed=0)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "anima_ui", "calibrate", "--models", str(folder), "--backend", "torch",
+                             "--width", "64", "--height", "64", "--tokens", "16"], capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder, read_calibration(folder / "calibration" / "64x64")[1]
+
+
+def test_quantized_ffns_convert_with_int8_residuals_and_match_the_emulator(calibrated, tmp_path):
+    folder, blocks = calibrated
+    report = quantize_model(ModelPaths.find(folder).dit, blocks, SHAPE, tmp_path / "q", convert=True)
+    assert report["quantized_blocks"] == [0, 1]
+    for entry in report["blocks"]:
+        conversion = entry["conversion"]
+        assert conversion["problems"] == [] and conversion["toolkit"] == "2.5.0"
+        # the emulator reproduces the simulator (bit for bit here, up to the A&S erf at a rounding edge)
+        assert max(conversion["emulator_vs_simulator"]) < 1e-3 * max(conversion["simulator_error"])
+        assert max(conversion["simulator_error"]) < 0.02
+        stem = tmp_path / "q" / f"block{entry['block']:02d}_mlp_w8a8"
+        assert stem.with_suffix(".rknn").stat().st_size > 0
+        saved = np.load(stem.with_suffix(".check.npz"))
+        q = QuantizedFfn.load(stem.with_suffix(".npz"))
+        assert saved["inputs"].shape == saved["outputs"].shape == (2, *SHAPE)
+        assert rel_error(emulate(q, saved["inputs"][0]), saved["outputs"][0]) == conversion["emulator_vs_simulator"][0]
+
+
+def test_the_toolkits_own_w8a8_and_fp16_builds_match_their_emulations(calibrated, tmp_path):
+    """The plain W8A8 row of the error table and the FP16 baseline are emulated too: check both models."""
+    folder, blocks = calibrated
+    w1, w2 = ffn_weights(ModelPaths.find(folder).dit, 0)
+    save(float_ffn_model(w1, w2, SHAPE), tmp_path / "ffn.onnx")
+    identity = type("Identity", (), {"smooth_in": np.float32(1.0)})  # graph_inputs without smoothing
+    dataset = graph_inputs(blocks[0].calib_x, identity, SHAPE, 16)
+    checks = graph_inputs(blocks[0].heldout_x, identity, SHAPE, 2)
+    calib_tokens = np.concatenate(dataset).reshape(-1, SHAPE[-1])
+    int8 = convert_ffn(tmp_path / "ffn.onnx", tmp_path / "int8.rknn", "int8", dataset, checks)
+    fp16 = convert_ffn(tmp_path / "ffn.onnx", tmp_path / "fp16.rknn", "fp16", dataset, checks)
+    assert {op.dtype for op in int8.ops if op.type.startswith("Conv")} == {"INT8"}
+    assert {op.dtype for op in fp16.ops if op.type.startswith("Conv")} == {"FLOAT16"}
+    for x, sim_int8, sim_fp16 in zip(checks, int8.sim_outputs, fp16.sim_outputs):
+        reference = ffn_fp32(x, w1, w2)
+        emulated = emulate_plain(w1, w2, calib_tokens, x)
+        assert rel_error(sim_int8, reference) > 0.05  # plain W8A8 is far off on outliers
+        assert rel_error(emulated, sim_int8) < 1e-3 * rel_error(sim_int8, reference)  # (measured: identical)
+        assert rel_error(sim_fp16, reference) < 1e-3
+        assert rel_error(ffn_fp16(x, w1, w2), sim_fp16) < 0.1 * rel_error(sim_fp16, reference)
+    assert fp16.cycles > int8.cycles
