@@ -14,6 +14,7 @@ BENCHMARKS = {
     "text": "Qwen3 text encoder per prompt: NumPy (the app's), onnxruntime, torch; seconds and peak RSS",
     "vae": "decode seconds and peak RSS of every decoder; preview cost per step",
     "prepare": "export and RKNN conversion per graph kind: seconds, peak RSS, parallel workers, projected board total",
+    "quant": "W8A8 + low-rank FFNs: per-block errors and the end-to-end gate on the synthetic outlier model; one full-size FFN built three ways",
 }
 
 

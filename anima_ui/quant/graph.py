@@ -6,8 +6,8 @@ exports the exact GELU (Div by √2, Erf, Add 1, Mul, Mul ½): rknn-toolkit2 fus
 exGelu on the NPU, while a lone Erf would run on the CPU.
 
 Tensor names matter to the conversion: the toolkit renames a MatMul output `res1` to `res1_mm`, and the
-hybrid configuration keeps int8 exactly the input (`h`, `h_*`) and the residual GEMM outputs (`res1*`,
-`res2*`); `mid` (the FP16 input of the second layer) carries the range its int8 copy is quantized with."""
+hybrid configuration keeps int8 exactly the residual GEMM outputs (`res1*`, `res2*`); the FP16 tensors `h`
+and `mid` carry the ranges their int8 copies (the residual GEMMs' inputs) are quantized with."""
 
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from anima_ui.quant.ffn import QuantizedFfn
 
 OPSET = 19
 IR_VERSION = 9  # rknn-toolkit2 2.5.0 pins onnx 1.18, which reads IR <= 11
-INT8_PREFIXES = ("h", "res1", "res2")  # tensors (and the toolkit's renamings of them) that stay int8
+INT8_PREFIXES = ("res1", "res2")  # tensors (and the toolkit's renamings of them) that stay int8
 RANGE_PREFIXES = {"h": "h", "res1": "res1", "mid": "mid", "res2": "res2"}  # QuantizedFfn range -> cfg tensor prefix
 
 

@@ -12,7 +12,7 @@ The .cfg is edited as text: a YAML round-trip rewrites the scale/zero-point fiel
 rejects ("... is not allowed to be modified!"). Only min/max may change, and the toolkit recomputes the
 scale and zero point from them; step 2 accepts edited ranges only under the "normal" algorithm ("Not support
 modify quantize_parameters when config.quantized_algorithm = mmse", the same for kl_divergence), so the
-ranges are searched on the host instead. Initializers may not be listed in custom_quantize_layers.
+ranges are searched on the host instead. Initializers and graph inputs may not be listed in custom_quantize_layers.
 
 torch: this path touches only `torch.no_grad` (the toolkit's import-time decorator), checked by running it with
 a recording stand-in for torch; the real torch is not needed for W8A8 with the "normal" algorithm.
@@ -90,9 +90,10 @@ def build(job: dict, work: Path) -> tuple[RKNN, dict]:
         stem = Path(onnx_path).stem
         cfg_path = work / f"{stem}.quantization.cfg"
         text = cfg_path.read_text()
-        initializers = {i.name for i in onnx.load(onnx_path, load_external_data=False).graph.initializer}
+        graph = onnx.load(onnx_path, load_external_data=False).graph
+        not_listable = {i.name for i in graph.initializer} | {i.name for i in graph.input}
         names = cfg_tensors(text)
-        float16 = [n for n in names if n not in initializers and not any(matches(n, p) for p in job["int8_prefixes"])]
+        float16 = [n for n in names if n not in not_listable and not any(matches(n, p) for p in job["int8_prefixes"])]
         edited = work / f"{stem}.edited.cfg"
         edited.write_text(edit_cfg(text, float16, job["ranges"]))
         info.update(cfg_tensors=names, float16=float16,
