@@ -20,7 +20,7 @@ from anima_ui.quant.build import ffn_weights, quantize_model
 from anima_ui.quant.capture import read_calibration
 from anima_ui.quant.e2e import PROMPTS, end_to_end
 from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain
-from anima_ui.quant.synthetic import write_outlier_model
+from anima_ui.fixtures.outliers import write_outlier_model
 from anima_ui.text.encoder import TextEncoder
 from anima_ui.vae.decode import decode_latent
 
@@ -142,7 +142,7 @@ def test_commands_say_what_to_run_first(tmp_path, outlier_model):
 
 def test_capture_through_onnx_graphs_matches_torch(tmp_path):
     """The graph backends capture the same activations without the fp32 DiT in memory."""
-    from anima_ui.commands.random_model import write_random_model
+    from anima_ui.fixtures.model import write_random_model
 
     folder = write_random_model(tmp_path / "tiny", "tiny", 1)
     assert anima_ui("export", "--models", str(folder), "--width", "64", "--height", "64",

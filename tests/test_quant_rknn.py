@@ -18,7 +18,7 @@ from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain
 from anima_ui.quant.gate import rel_error
 from anima_ui.quant.graph import float_ffn_model, save
 from anima_ui.quant.numerics import ffn_fp16, ffn_fp32
-from anima_ui.quant.synthetic import write_outlier_model
+from anima_ui.fixtures.outliers import write_outlier_model
 
 pytestmark = pytest.mark.rknn
 SHAPE = (1, 16, 64)  # 64x64 images: 16 tokens of the 64-wide tiny model

@@ -2,7 +2,7 @@
 through the toolkit.
 
 Part 1 writes the synthetic outlier model (random weights in the official layout, 20-50x FFN input channels and
-weight columns; anima_ui/quant/synthetic.py), captures its calibration with `calibrate`'s code on the torch
+weight columns; anima_ui/fixtures/outliers.py), captures its calibration with `calibrate`'s code on the torch
 backend, and prints per block, on the held-out prompts against the float32 FFN: FP16, plain W8A8 (the toolkit's
 own build, emulated), smoothing alone, and smoothing + low-rank at each rank (α searched per layer), each with the
 FFN's cosine and relative error and the error it adds to the residual stream. Then the end-to-end gate against the
@@ -31,7 +31,7 @@ from anima_ui.quant.e2e import PROMPTS, EndToEnd, emulators_of, end_to_end
 from anima_ui.quant.ffn import emulate, emulate_plain, quantize_ffn
 from anima_ui.quant.gate import measure, onnx_reference, passes, rel_error
 from anima_ui.quant.numerics import ffn_fp16, ffn_fp32
-from anima_ui.quant.synthetic import write_outlier_model
+from anima_ui.fixtures.outliers import write_outlier_model
 
 
 def add_arguments(parser):

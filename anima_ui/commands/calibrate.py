@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from anima_ui.errors import UserError
-from anima_ui.pipeline import BACKENDS
+from anima_ui.runtime import BACKENDS
 
 
 def add_arguments(parser):

@@ -21,7 +21,7 @@ from anima_ui.quant.numerics import ffn_fp16, ffn_fp32
 from anima_ui.quant.sampling import cfg_sample
 from anima_ui.sampling.noise import initial_noise
 from anima_ui.sampling.schedule import simple_sigmas
-from anima_ui.vae.quality import psnr, ssim
+from anima_ui.metrics import psnr, ssim
 
 PROMPTS = (
     "1girl, solo, long silver hair, red eyes, school uniform, cherry blossoms, smiling, masterpiece, best quality",
@@ -83,8 +83,8 @@ class EndToEnd:
 
 
 def compare(latent_a, image_a, latent_b, image_b) -> dict:
-    a, b = np.asarray(image_a, np.float64) / 255.0, np.asarray(image_b, np.float64) / 255.0
-    return {"latent_cosine": cosine(latent_a, latent_b), "psnr_db": float(psnr(a, b)), "ssim": ssim(a, b)}
+    """Two runs' final latents and decoded uint8 images."""
+    return {"latent_cosine": cosine(latent_a, latent_b), "psnr_db": psnr(image_a, image_b, peak=255.0), "ssim": ssim(image_a, image_b)}
 
 
 def emulators_of(quantized: dict[int, QuantizedFfn]) -> tuple[dict, dict]:
