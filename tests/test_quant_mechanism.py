@@ -10,7 +10,6 @@ from functools import partial
 
 import numpy as np
 import pytest
-import torch
 
 from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.forward import TorchBranches
@@ -46,14 +45,6 @@ def quantized(outlier_model):
     result = anima_ui("quantize-ffn", "--models", str(folder), "--width", "64", "--height", "64", "--backend", "torch", "--prompts", "2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((folder / "quant" / "64x64" / "report.json").read_text()), result.stdout
-
-
-@pytest.fixture
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_calibration_has_outliers_and_both_splits(outlier_model):
