@@ -76,7 +76,8 @@ def test_low_rank_passes_where_plain_w8a8_fails_per_block(outlier_model, quantiz
         plain = gate.measure(emulate_plain(w1, w2, calib.calib_x, calib.heldout_x), reference, calib)
         assert not gate.passes(plain) and plain["rel_error"] > 5 * chosen["rel_error"]
         q = QuantizedFfn.load(folder / "quant" / "64x64" / f"block{entry['block']:02d}_mlp_w8a8.npz")
-        assert gate.measure(emulate(q, calib.heldout_x / q.smooth_in), reference, calib)["rel_error"] == pytest.approx(chosen["rel_error"])
+        # (BLAS thread counts differ between this process and the command's: equal to summation order)
+        assert gate.measure(emulate(q, calib.heldout_x / q.smooth_in), reference, calib)["rel_error"] == pytest.approx(chosen["rel_error"], rel=1e-4)
     assert "2 of 2 FFNs quantized; PASSED" in stdout
 
 
