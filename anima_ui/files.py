@@ -2,6 +2,8 @@
 the app (images and their sidecars, presets, latents, graphs, their records and manifests)."""
 
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -21,3 +23,21 @@ def write_atomically(path, write) -> None:
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
+
+
+def write_folder_atomically(path, fill) -> None:
+    """fill(temp_folder) into a temp folder beside `path`, then swapped in for `path` (an old `path` is moved
+    aside first and removed after): a reader sees the old folder, none, or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{path.name}{PARTIAL}", dir=path.parent))
+    try:
+        temp.chmod(0o755)  # mkdtemp makes it private; the finished folder is an ordinary one
+        fill(temp)
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            path.rename(old)
+            shutil.rmtree(old)
+        temp.rename(path)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from anima_ui.model import host
-from anima_ui.model.branches import FeedForwardBranch, block_weights
-from anima_ui.model.forward import TorchBranches, dit_forward, prepare_kv, prepare_rope
+from anima_ui.model.branches import FeedForwardBranch
+from anima_ui.model.host import block_weights
+from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
+from anima_ui.model.reference import TorchBranches
 from anima_ui.quant.capture import FfnRecorder
 from anima_ui.quant.convert import hybrid_op_problems, parse_op_table
 from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain, low_rank, quantize_ffn

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from anima_ui.model.checkpoint import load_dit
-from anima_ui.model.forward import TorchBranches
+from anima_ui.model.reference import TorchBranches
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.quant import gate
 from anima_ui.quant.build import ffn_weights, quantize_model
@@ -103,7 +103,8 @@ def test_plain_w8a8_fails_end_to_end(outlier_model, quantized, one_torch_thread)
     weights = {b: ffn_weights(paths.dit, b) for b in range(config.num_blocks)}
     plain = {b: partial(emulate_plain, *weights[b], calib.calib_x) for b, calib in enumerate(blocks)}
     decode = lambda latent: np.asarray(decode_latent(latent, paths.vae, prefer="torch")[0])
-    result = end_to_end(state, config, TorchBranches(state, config), TextEncoder.load(paths, state).encode, decode, weights,
+    encoder = TextEncoder.load(paths)
+    result = end_to_end(state, config, TorchBranches(state, config), lambda prompt: encoder.encode([prompt])[0], decode, weights,
                         (plain, {}), prompts=PROMPTS[:1], width=64, height=64)
     assert not result.passed
     low_rank_psnr = min(r["quant_vs_fp16"]["psnr_db"] for r in report["end_to_end"]["rows"])

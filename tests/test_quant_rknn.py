@@ -16,7 +16,8 @@ from anima_ui.quant.capture import read_calibration
 from anima_ui.quant.convert import convert_ffn
 from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain
 from anima_ui.quant.gate import rel_error
-from anima_ui.quant.graph import float_ffn_model, save
+from anima_ui.model.onnx_graph import write_model
+from anima_ui.quant.graph import float_ffn_model
 from anima_ui.quant.numerics import ffn_fp16, ffn_fp32
 from anima_ui.fixtures.outliers import write_outlier_model
 
@@ -58,7 +59,7 @@ def test_the_toolkits_own_w8a8_and_fp16_builds_match_their_emulations(calibrated
     """The plain W8A8 row of the error table and the FP16 baseline are emulated too: check both models."""
     folder, blocks = calibrated
     w1, w2 = ffn_weights(ModelPaths.find(folder).dit, 0)
-    save(float_ffn_model(w1, w2, SHAPE), tmp_path / "ffn.onnx")
+    write_model(float_ffn_model(w1, w2, SHAPE), tmp_path / "ffn.onnx")
     identity = type("Identity", (), {"smooth_in": np.float32(1.0)})  # graph_inputs without smoothing
     dataset = graph_inputs(blocks[0].calib_x, identity, SHAPE, 16)
     checks = graph_inputs(blocks[0].heldout_x, identity, SHAPE, 2)

@@ -23,14 +23,19 @@ import numpy as np
 
 from anima_ui.errors import UserError
 from anima_ui.model.checkpoint import load_dit
-from anima_ui.model.forward import TorchBranches
+from anima_ui.model.onnx_graph import write_model
+from anima_ui.model.reference import TorchBranches
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.quant.build import ffn_weights
+from anima_ui.quant.convert import convert_ffn, hybrid_op_problems
 from anima_ui.quant.capture import CaptureSettings, capture, checkpoint_layer1, read_calibration
 from anima_ui.quant.e2e import PROMPTS, EndToEnd, emulators_of, end_to_end
 from anima_ui.quant.ffn import emulate, emulate_plain, quantize_ffn
 from anima_ui.quant.gate import measure, onnx_reference, passes, rel_error
+from anima_ui.quant.graph import float_ffn_model, quantized_ffn_model
 from anima_ui.quant.numerics import ffn_fp16, ffn_fp32
+from anima_ui.text.encoder import TextEncoder
+from anima_ui.vae.decode import decode_latent
 from anima_ui.fixtures.outliers import write_outlier_model
 
 
@@ -60,13 +65,11 @@ def _synthetic(args, tmp: Path) -> None:
     folder, chosen = write_outlier_model(tmp / "outliers", seed=0, width=args.width, mlp_dim=args.mlp or 4 * args.width)
     paths = ModelPaths.find(folder)
     config, state = load_dit(paths.dit)
-    from anima_ui.text.encoder import TextEncoder
-    from anima_ui.vae.decode import decode_latent
-
-    encoder = TextEncoder.load(paths, state)
+    encoder = TextEncoder.load(paths)
+    encode = lambda prompt: encoder.encode([prompt])[0]
     branches = TorchBranches(state, config)
     settings = CaptureSettings(width=args.image, height=args.image, tokens_per_capture=args.tokens)
-    capture(state, config, branches, encoder.encode, checkpoint_layer1(paths.dit), settings, tmp / "calibration")
+    capture(state, config, branches, encode, checkpoint_layer1(paths.dit), settings, tmp / "calibration")
     _, blocks = read_calibration(tmp / "calibration")
     print(f"synthetic outlier model: width {config.width}, FFN {config.width}->{config.mlp_dim}, {config.num_blocks} blocks, "
           f"outlier input channels {[c['activation'] for c in chosen.values()]}, weight columns {[c['weight'] for c in chosen.values()]}; "
@@ -91,7 +94,7 @@ def _synthetic(args, tmp: Path) -> None:
                   f"{m['residual_error'] / fp16['residual_error']:>7.1f} {'pass' if passes(m) else 'fail':>5}")
 
     decode = lambda latent: np.asarray(decode_latent(latent, paths.vae, prefer="torch")[0])
-    run_e2e = partial(end_to_end, state, config, branches, encoder.encode, decode, weights, prompts=PROMPTS[:args.prompts],
+    run_e2e = partial(end_to_end, state, config, branches, encode, decode, weights, prompts=PROMPTS[:args.prompts],
                       width=args.image, height=args.image)
     plain = {b: partial(emulate_plain, *weights[b], calib.calib_x) for b, calib in enumerate(blocks)}
     results = {"plain W8A8 (toolkit)": run_e2e((plain, {}))}
@@ -128,9 +131,6 @@ def _outlier_tokens(width: int, count: int, seed: int) -> np.ndarray:
 
 
 def _fullsize(models: Path) -> None:
-    from anima_ui.quant.convert import convert_ffn, hybrid_op_problems
-    from anima_ui.quant.graph import float_ffn_model, quantized_ffn_model, save
-
     started = time.perf_counter()
     paths = ModelPaths.find(models)
     w1, w2 = ffn_weights(paths.dit, 0)
@@ -146,8 +146,8 @@ def _fullsize(models: Path) -> None:
     dataset = [calib[i * shape[1]:(i + 1) * shape[1]].reshape(shape) for i in range(4)]
     with tempfile.TemporaryDirectory(prefix="bench_quant_full_") as tmp:
         tmp = Path(tmp)
-        save(float_ffn_model(w1, w2, shape), tmp / "ffn.onnx")
-        save(quantized_ffn_model(q, shape), tmp / "ffn_w8a8.onnx")
+        write_model(float_ffn_model(w1, w2, shape), tmp / "ffn.onnx")
+        write_model(quantized_ffn_model(q, shape), tmp / "ffn_w8a8.onnx")
         builds = {
             "FP16": convert_ffn(tmp / "ffn.onnx", tmp / "fp16.rknn", "fp16", dataset, checks),
             "W8A8 (toolkit)": convert_ffn(tmp / "ffn.onnx", tmp / "int8.rknn", "int8", dataset, checks),

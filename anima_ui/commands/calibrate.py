@@ -62,7 +62,7 @@ def run(args) -> int:
     started = time.perf_counter()
     runtime = None
     if args.backend == "torch":
-        from anima_ui.model.forward import TorchBranches
+        from anima_ui.model.reference import TorchBranches
 
         run_branch = TorchBranches(pipeline.weights, pipeline.config)
     else:
@@ -71,7 +71,7 @@ def run(args) -> int:
         run_branch = runtime = open_runtime(args.backend, graphs)
     try:
         progress = lambda line: print(line, file=sys.stderr, flush=True)
-        folder = capture(pipeline.weights, pipeline.config, run_branch, pipeline.text_encoder.encode,
+        folder = capture(pipeline.weights, pipeline.config, run_branch, lambda prompt: pipeline.contexts([prompt])[0],
                          checkpoint_layer1(pipeline.paths.dit), settings, out, progress=progress)
     finally:
         if runtime is not None:

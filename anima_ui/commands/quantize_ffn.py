@@ -64,7 +64,7 @@ def run(args) -> int:
         run_branch, runtime = _attention_branches(pipeline, args)
         decode = lambda latent: np.asarray(decode_latent(latent, pipeline.paths.vae, prefer=pipeline.decoder)[0])
         try:
-            return end_to_end(pipeline.weights, config, run_branch, pipeline.text_encoder.encode, decode, weights, emulators,
+            return end_to_end(pipeline.weights, config, run_branch, lambda prompt: pipeline.contexts([prompt])[0], decode, weights, emulators,
                               prompts=PROMPTS[:args.prompts], steps=args.steps, cfg=args.cfg, width=args.width,
                               height=args.height, negative=meta["negative"], progress=progress)
         finally:
@@ -82,7 +82,7 @@ def run(args) -> int:
 
 def _attention_branches(pipeline, args):
     if args.backend == "torch":
-        from anima_ui.model.forward import TorchBranches
+        from anima_ui.model.reference import TorchBranches
 
         return TorchBranches(pipeline.weights, pipeline.config), None
     from anima_ui.runtime import open_runtime

@@ -11,20 +11,20 @@ A block that fails its gate, its conversion checks or whose simulator output dis
 stays FP16 (it is listed in the report with the reason)."""
 
 import json
-import shutil
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
+from anima_ui.files import write_folder_atomically
 from anima_ui.model.checkpoint import load_dit
-from anima_ui.quant import graph
+from anima_ui.model.onnx_graph import write_model
 from anima_ui.quant.capture import BlockCalibration
 from anima_ui.quant.convert import convert_ffn, hybrid_op_problems
 from anima_ui.quant.ffn import QuantizedFfn, emulate
 from anima_ui.quant.e2e import emulators_of
+from anima_ui.quant.graph import quantized_ffn_model
 from anima_ui.quant.gate import RANKS, BlockGate, gate_block, onnx_reference, rel_error
 
 # The emulator must reproduce the simulator to within this share of the quantization error itself.
@@ -73,7 +73,7 @@ def build_block(folder: Path, block: int, gate: BlockGate, calib: BlockCalibrati
     q = gate.chosen
     stem = f"block{block:02d}_mlp_w8a8"
     q.save(folder / f"{stem}.npz")
-    graph.save(graph.quantized_ffn_model(q, shape), folder / f"{stem}.onnx")
+    write_model(quantized_ffn_model(q, shape), folder / f"{stem}.onnx")
     entry.update(rank=q.rank, alpha1=q.alpha1, alpha2=q.alpha2, files=[f"{stem}.npz", f"{stem}.onnx"])
     if convert:
         dataset = graph_inputs(calib.calib_x, q, shape, 4)
@@ -91,12 +91,10 @@ def quantize_model(dit_path, blocks: list[BlockCalibration], shape, out_dir, con
                    end_to_end=None, progress=None) -> dict:
     """Gate and build every block; end_to_end(emulators) -> EndToEnd runs the whole-generation gate over the
     blocks that passed (None: skipped, and the report does not pass). Writes out_dir; returns the report."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.quant-", dir=out_dir.parent))
     started = time.perf_counter()
-    try:
-        temp.chmod(0o755)
+    report = {}
+
+    def fill(temp: Path) -> None:
         entries, chosen = [], {}
         for block, calib in enumerate(blocks):
             w1, w2 = ffn_weights(dit_path, block)
@@ -114,7 +112,7 @@ def quantize_model(dit_path, blocks: list[BlockCalibration], shape, out_dir, con
                 progress(f"block {block}: {'quantized' if entry['quantized'] else 'stays FP16'} "
                          f"(rank {best.get('rank')}, FFN rel error {best.get('rel_error', float('nan')):.4f}, "
                          f"{time.perf_counter() - started:.0f} s)")
-        report = {"shape": list(shape), "converted": convert, "blocks": entries, "quantized_blocks": sorted(chosen)}
+        report.update(shape=list(shape), converted=convert, blocks=entries, quantized_blocks=sorted(chosen))
         if end_to_end is not None and chosen:
             e2e = end_to_end(emulators_of(chosen))
             report["end_to_end"] = {"rows": e2e.rows, "seed_spread": e2e.seed_spread, "thresholds": e2e.thresholds(),
@@ -122,12 +120,8 @@ def quantize_model(dit_path, blocks: list[BlockCalibration], shape, out_dir, con
         report["passed"] = bool(chosen) and report.get("end_to_end", {}).get("passed", False)
         report["seconds"] = round(time.perf_counter() - started, 1)
         (temp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        temp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+
+    write_folder_atomically(out_dir, fill)
     return report
 
 

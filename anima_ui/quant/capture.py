@@ -15,9 +15,6 @@ Folder (`<models>/calibration/<W>x<H>/`): calibration.json, and block<i>.npz wit
 s_amax_x [D], s_amax_hidden [F]."""
 
 import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from anima_ui.errors import UserError
+from anima_ui.files import write_folder_atomically
 from anima_ui.model import host
 from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.forward import prepare_kv, prepare_rope
@@ -197,24 +195,14 @@ def capture(weights: dict, config, run_branch, encode, layer1, settings: Capture
 
 
 def _write_folder(recorder: FfnRecorder, settings: CaptureSettings, steps, sigmas, out_dir) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.capture-", dir=out_dir.parent))
-    try:
-        temp.chmod(0o755)  # mkdtemp makes it private; the finished folder is an ordinary one
-        recorder.write(temp)
+    def fill(folder: Path) -> None:
+        recorder.write(folder)
         meta = {**asdict(settings), "capture_steps": list(steps), "capture_sigmas": [float(sigmas[s]) for s in steps],
                 "num_blocks": len(recorder.blocks)}
-        (temp / CALIBRATION_JSON).write_text(json.dumps(meta, indent=1) + "\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(old)
-            shutil.rmtree(old)
-        temp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    return out_dir
+        (folder / CALIBRATION_JSON).write_text(json.dumps(meta, indent=1) + "\n")
+
+    write_folder_atomically(out_dir, fill)
+    return Path(out_dir)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Conversion of one FFN graph to RKNN in .venv-rknn (rknn_quant_worker.py), its simulator outputs, and the
+"""Conversion of one FFN graph to RKNN in .venv-rknn (anima_ui/convert/rknn_quant_worker.py), its simulator outputs, and the
 compiler's op table read from the build log.
 
 For a W8A8 + low-rank graph the op table must show exactly what was asked for: the two residual GEMMs as
@@ -15,17 +15,18 @@ from pathlib import Path
 
 import numpy as np
 
-from anima_ui.convert.convert_rknn import VENV_PYTHON
+from anima_ui.convert.convert_rknn import VENV_PYTHON, WORKER as FP16_WORKER
 from anima_ui.errors import UserError
 from anima_ui.quant.ffn import QUANTIZED_TENSORS, QuantizedFfn
 from anima_ui.quant.graph import INT8_PREFIXES, RANGE_PREFIXES
 
-WORKER = Path(__file__).with_name("rknn_quant_worker.py")
+WORKER = FP16_WORKER.with_name("rknn_quant_worker.py")
 MODES = ("hybrid", "int8", "fp16")
 # "D RKNN: [time] ID OpType DataType Target InputShape OutputShape Cycles(DDR/NPU/Total) RW(KB) FullName"
 OP_ROW = re.compile(r"RKNN: \[[^\]]*\]\s+(\d+)\s+(\S+)\s+(INT8|INT16|FLOAT16|FLOAT|INT32|INT64|UINT8)\s+(NPU|CPU)\s+.*?"
                     r"\s(\d+)/(\d+)/(\d+)\s+(\S+)\s+(\S+)\s*$")
 CONV_TYPES = ("Conv", "ConvAdd", "ConvExGelu")
+RESIDUAL = re.compile(r"Conv:(res[12])(?![0-9])")  # the residual GEMMs' Convs (the graph names them res1…, res2…)
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ def hybrid_op_problems(ops: list[Op]) -> list[str]:
     if not ops:
         return ["the build log has no op table"]
     problems = []
-    residual = [op for op in ops if op.type in CONV_TYPES and re.match(r"Conv:res[12]\b", op.name)]
-    if {op.name[:9] for op in residual} != {"Conv:res1", "Conv:res2"}:
+    residual = [op for op in ops if op.type in CONV_TYPES and RESIDUAL.match(op.name)]
+    if sorted(RESIDUAL.match(op.name)[1] for op in residual) != ["res1", "res2"]:
         problems.append(f"expected INT8 Convs for res1 and res2, found {[op.name for op in residual]}")
     for op in ops:
         if op.type in CONV_TYPES:

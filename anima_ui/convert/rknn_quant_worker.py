@@ -1,5 +1,6 @@
 """Runs inside .venv-rknn (rknn-toolkit2 2.5.0), started by anima_ui/quant/convert.py; it imports nothing from
-anima_ui, whose environment it cannot share. One job per process, described by a JSON file:
+anima_ui, whose environment it cannot share, but shares rknn_worker.py's toolkit import (with its torch stand-in)
+and parent-death hook from this folder. One job per process, described by a JSON file:
 
   mode "hybrid": config(w8a8, per-channel) -> load_onnx -> hybrid_quantization_step1 -> text-edit the
       .quantization.cfg (listed tensors to float16, activation ranges overwritten) -> hybrid_quantization_step2
@@ -15,7 +16,8 @@ modify quantize_parameters when config.quantized_algorithm = mmse", the same for
 ranges are searched on the host instead. Initializers and graph inputs may not be listed in custom_quantize_layers.
 
 torch: this path touches only `torch.no_grad` (the toolkit's import-time decorator), checked by running it with
-a recording stand-in for torch; the real torch is not needed for W8A8 with the "normal" algorithm.
+a recording stand-in for torch; the real torch is not needed for W8A8 with the "normal" algorithm, so
+rknn_worker.import_rknn's stand-in serves here too.
 
 The toolkit's build log (with RKNN_LOG_LEVEL=5 its op table: type, dtype and modelled cycles per op) goes
 to this process's stdout/stderr, which the caller keeps; the result is written to the job's result file."""
@@ -30,7 +32,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from rknn.api import RKNN
+from rknn_worker import die_with_parent, import_rknn  # this script's folder is first on sys.path
+
+RKNN = import_rknn()
 
 TENSOR_LINE = re.compile(r"^    (\S+):\s*$")
 BOUND_LINE = re.compile(r"^        (min|max):\s*$")
@@ -115,6 +119,7 @@ def build(job: dict, work: Path) -> tuple[RKNN, dict]:
 
 
 def main() -> int:
+    die_with_parent()
     job = json.loads(Path(sys.argv[1]).read_text())
     work = Path(job["work"])
     os.chdir(work)  # hybrid step 1 writes its .model/.data/.cfg into the current folder
