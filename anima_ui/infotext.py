@@ -139,6 +139,7 @@ def format_infotext(request, summary: dict) -> str:
         "Model evaluations": summary.get("model_evals"),
         "Backend": summary.get("backend"),
         "VAE decoder": decoder_label(summary),
+        "FFN": summary["ffn"] if str(summary.get("ffn", "")).startswith("w8a8") else None,  # only when quantized FFNs ran
         "Denoise time": format_seconds(seconds["denoise"]) if "denoise" in seconds else None,
         "Version": VERSION,
     }

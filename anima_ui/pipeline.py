@@ -45,8 +45,8 @@ CACHED_CONTEXTS = 4  # positive + negative of the current job and of the previou
 #   time_scale, contention, resident, threads: the simulated board's and onnxruntime's;
 #   mem_floor_gib, swap_policy, gate_wait_seconds: the memory gate
 RUNTIME_OPTIONS = ("variants", "contexts", "core_mask", "wait_for_inference", "use_profile", "time_scale", "contention",
-                   "resident", "threads", "mem_floor_gib", "swap_policy", "gate_wait_seconds")
-OPEN_OPTIONS = ("time_scale", "contention", "resident", "threads", "mem_floor_gib", "swap_policy", "gate_wait_seconds")
+                   "resident", "threads", "mem_floor_gib", "swap_policy", "gate_wait_seconds", "ffn")
+OPEN_OPTIONS = ("time_scale", "contention", "resident", "threads", "mem_floor_gib", "swap_policy", "gate_wait_seconds", "ffn")
 
 # torch is optional (requirements-dev.txt; the board installs none): only the torch backend imports it, and it is
 # imported where it is used, so the app starts and reports a missing torch as a failed job instead of not starting.
@@ -165,7 +165,7 @@ class Pipeline:
 
         yield PhaseEvent("denoise")
         t0 = time.perf_counter()
-        latent, steps = yield from self._denoise(request, kv, rope, graphs, choice, cancel)
+        latent, steps, ffn = yield from self._denoise(request, kv, rope, graphs, choice, cancel)
         seconds["denoise"] = time.perf_counter() - t0
 
         image, decoder, warning = None, None, None
@@ -187,6 +187,7 @@ class Pipeline:
             "spectrum": request.spectrum,
             "backend": self.backend,
             "runtime": choice.describe() if choice else None,
+            "ffn": ffn,
             "model_evals": model_evals,
             "transformer_passes": (2 if request.uses_uncond else 1) * model_evals,
             "decoder": decoder,
@@ -268,7 +269,7 @@ class Pipeline:
         return RuntimeChoice(Plan.uniform("prefetch", **plan_options), "the default; `anima-ui tune` measures the fastest", notes)
 
     def _denoise(self, request, kv, rope, graphs, choice, cancel):
-        """Generator: yields StepEvents, returns (final latent, the steps' records)."""
+        """Generator: yields StepEvents, returns (final latent, the steps' records, which FFNs ran)."""
         sigmas = simple_sigmas(request.steps)
         x = initial_noise(request.seed, request.height, request.width)
         spectrum = Spectrum.from_config(request.steps, request.spectrum_params) if request.spectrum else None
@@ -290,7 +291,7 @@ class Pipeline:
             runtime.close()
         if not np.all(np.isfinite(x)):
             raise UserError("the denoised latent contains NaN or Inf; nothing was saved (try another seed or fewer steps)")
-        return x, records
+        return x, records, runtime.ffn
 
     def npu_options(self) -> dict:
         """The NPU decoder's options: the branches' runtime (onnxruntime when the branches run in torch) and its

@@ -6,6 +6,7 @@ from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.runtime.backends import CORE_MASKS
 from anima_ui.runtime.board_latency import CONTENTION
 from anima_ui.runtime.memory import SWAP_POLICIES
+from anima_ui.runtime.quantized_ffn import FFN_CHOICES
 from anima_ui.runtime.variants import VARIANTS, Plan, parse_variants
 
 
@@ -71,11 +72,14 @@ def add_pipeline_arguments(parser):
                              "project's decoder graphs on onnxruntime, tiled like sd.cpp; faster than sdcpp on x86 PCs) "
                              "or npu (the decoder graphs on the --backend runtime: the NPU, or the simulated board); "
                              "anima-ui bench vae compares them; default: the tune profile's choice, else sdcpp")
+    parser.add_argument("--ffn", choices=FFN_CHOICES, default="auto",
+                        help="FFN graphs: w8a8-lowrank (installed by `prepare --ffn w8a8-lowrank`), fp16, or auto (the "
+                             "quantized ones where the graphs folder has them)")
     add_runtime_arguments(parser)
 
 
 def pipeline_options(args) -> dict:
-    return {"decoder": args.decoder, **runtime_options(args)}
+    return {"decoder": args.decoder, "ffn": args.ffn, **runtime_options(args)}
 
 
 def runtime_plan(args):

@@ -21,6 +21,7 @@ import numpy as np
 from anima_ui.errors import Cancelled, UserError
 from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.model.forward import dit_forward
+from anima_ui.runtime import quantized_ffn
 from anima_ui.runtime.backends import Backend, OnnxBackend, RknnLiteBackend, choose_resident
 from anima_ui.runtime.manifest import Manifest
 from anima_ui.runtime.memory import GIB, MemoryGate, read_meminfo
@@ -34,10 +35,14 @@ RESIDENT_HEADROOM_GIB = 1.0
 
 class BranchRuntime:
     def __init__(self, backend: Backend, graph_sets: dict[int, tuple[Path, Manifest]], plan: Plan, gate: MemoryGate,
-                 cancel: threading.Event):
+                 cancel: threading.Event, ffn_input_scales: dict | None = None, ffn: str = "fp16"):
         self.backend = backend
         self.graph_sets = graph_sets
         self.plan = plan
+        # λ1 per block whose FFN graph is a W8A8 + low-rank one (its input is x/λ1: every chain's dit_forward folds
+        # that into the block's modulation); ffn says which FFNs run, for the PNG parameters and status panel
+        self.ffn_input_scales = ffn_input_scales or {}
+        self.ffn = ffn
         self.gate = gate
         self.cancel = cancel  # may be replaced between jobs
         self._closing = threading.Event()  # stopping: every wait ends, every chain raises at its next boundary
@@ -98,14 +103,15 @@ class BranchRuntime:
         """One DiT forward (velocity) over the batch in x; see the module docstring for how it splits."""
         self._check()
         if not self.plan.has_chains() or len(x) != 2:
-            return dit_forward(weights, self, x, sigma, kv, rope, on_block)
+            return dit_forward(weights, self, x, sigma, kv, rope, on_block, self.ffn_input_scales)
         velocities, residuals = [None, None], ([], [])
 
         def chain(i):
             run_branch = lambda block, kind, inputs: self._chain_visit(i, block, kind, inputs)
             keep = (lambda block, r: residuals[i].append(r.copy())) if on_block else None
             half_kv = [(k[i:i + 1], v[i:i + 1]) for k, v in kv]
-            velocities[i] = dit_forward(weights, run_branch, x[i:i + 1], sigma[i:i + 1], half_kv, rope, keep)
+            velocities[i] = dit_forward(weights, run_branch, x[i:i + 1], sigma[i:i + 1], half_kv, rope, keep,
+                                        self.ffn_input_scales)
 
         self._both(lambda: chain(0), lambda: chain(1))
         for block, (cond, uncond) in enumerate(zip(*residuals)):
@@ -253,12 +259,14 @@ def open_runtime(backend, graphs, plan: Plan | None = None, *, prefetch: bool = 
                  core_mask: str = "auto", wait_for_inference: bool = False, cancel: threading.Event | None = None,
                  mem_floor_gib: float = 1.5, swap_policy: str = "wait", gate_wait_seconds: float = 30.0,
                  time_scale: float = 1.0, threads: int = 0, resident: str | None = None, contention: str = "none",
-                 blocks: int | None = None) -> BranchRuntime:
+                 blocks: int | None = None, ffn: str = "auto") -> BranchRuntime:
     """A runtime over the graphs in `graphs` (one folder, or one per graph batch: exported ONNX for onnx/sim,
     converted RKNN for rknn). `backend` is "onnx" | "sim" | "rknn" or a Backend instance. Without a plan, every
     kind runs prefetch (or serial with prefetch=False) with max_contexts, core_mask and wait_for_inference.
     time_scale and contention are the simulated board's, threads and resident the onnxruntime sessions'.
-    blocks: run only the first `blocks` blocks' graphs (a sample, visited as a cycle of its own)."""
+    blocks: run only the first `blocks` blocks' graphs (a sample, visited as a cycle of its own).
+    ffn: "fp16", "w8a8-lowrank" (the quantized FFN graphs installed in the folder the FFN's variant runs) or "auto"
+    (those when that folder has any)."""
     graph_sets = read_graph_sets(graphs, blocks)
     plan = plan or Plan.uniform("prefetch" if prefetch else "serial", contexts=max_contexts, core_mask=core_mask,
                                 wait_for_inference=wait_for_inference)
@@ -267,6 +275,7 @@ def open_runtime(backend, graphs, plan: Plan | None = None, *, prefetch: bool = 
         have = ", ".join(f"batch-{b} graphs in {folder}" for b, (folder, _) in graph_sets.items())
         raise UserError(f"the variant for {', '.join(kinds)} runs batch-{batch} graphs, and there are only {have}; "
                         f"export them with `anima-ui export --batch {batch}` or choose another --variant")
+    graph_sets, scales, described = quantized_ffn.swap_in(graph_sets, plan.variant("mlp").graph_batch, ffn)
     gate = MemoryGate(floor_gib=mem_floor_gib, swap_policy=swap_policy, wait_seconds=gate_wait_seconds)
     if isinstance(backend, str):
         files = [graph_sets[plan.variant(kind).graph_batch][0] / graph_sets[plan.variant(kind).graph_batch][1].graph(block, kind).file
@@ -278,4 +287,4 @@ def open_runtime(backend, graphs, plan: Plan | None = None, *, prefetch: bool = 
                 f"{folder} holds {manifest.format} graphs but the {backend.name} backend runs {backend.graph_format}; "
                 + ("convert them with `anima-ui convert-rknn`" if backend.graph_format == "rknn" else "point it at an exported folder")
             )
-    return BranchRuntime(backend, graph_sets, plan, gate, cancel or threading.Event())
+    return BranchRuntime(backend, graph_sets, plan, gate, cancel or threading.Event(), scales, described)

@@ -21,6 +21,7 @@ class TorchRuntime:
     def __init__(self, weights: dict[str, np.ndarray], config: AnimaConfig, cancel: threading.Event):
         self.branches = TorchBranches(weights, config)
         self.cancel = cancel
+        self.ffn = "fp32"  # the float32 reference: no quantized FFNs
 
     @property
     def timings(self) -> dict:

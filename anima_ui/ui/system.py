@@ -6,6 +6,7 @@ import socket
 import segno
 
 from anima_ui import checkup
+from anima_ui.runtime import quantized_ffn
 from anima_ui.runtime.memory import GIB, process_memory, read_meminfo, swap_used
 from anima_ui.runtime.profile import find_profiles
 
@@ -43,13 +44,15 @@ def status_markdown(manager, backend: str, models_dir=None) -> str:
         model = f"not loaded ({manager.load_error})" if manager.load_error else "loading…"
     lines = [
         f"**Backend** {backend} · **Model** {model}",
-        f"**NPU contexts open** {runtime.open_contexts if runtime is not None else 0}",
+        f"**NPU contexts open** {runtime.open_contexts if runtime is not None else 0}"
+        + (f" · **FFNs running** {runtime.ffn}" if runtime is not None else ""),
         f"**MemAvailable** {mem.get('MemAvailable', 0) / GIB:.2f} GiB · **Swap used** {swap_used(mem) / GIB:.2f} GiB",
         f"**This process** RSS {proc['rss'] / GIB:.2f} GiB · PSS {proc['pss'] / GIB:.2f} GiB",
         f"**Jobs in line** {len(manager.line())}",
     ]
     lines += runtime_lines(pipeline, backend, models_dir)
     if models_dir is not None:
+        lines += quantized_ffn.folder_lines(models_dir)
         lines += checkup.panel_lines(models_dir)  # the NPU stack, as `anima-ui doctor --quick` sees it
     gate = gate_warning(runtime)
     if gate:
