@@ -9,11 +9,10 @@ what passed). The end-to-end gate samples 3 pipelines per prompt and seed: at fu
 
 import sys
 import time
-from pathlib import Path
-
-import numpy as np
 
 from anima_ui.errors import UserError
+from anima_ui.quant.build import quantize_models_folder
+from anima_ui.quant.e2e import PROMPTS
 
 
 def add_arguments(parser):
@@ -33,65 +32,19 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from anima_ui.modelfiles import ModelPaths
-    from anima_ui.pipeline import Pipeline
-    from anima_ui.quant.build import ffn_weights, quantize_model
-    from anima_ui.quant.capture import read_calibration
-    from anima_ui.quant.e2e import PROMPTS, end_to_end
-
     if not 1 <= args.prompts <= len(PROMPTS):
         raise UserError(f"--prompts must be from 1 to {len(PROMPTS)}, got {args.prompts}")
     if any(r < 1 for r in args.ranks):
         raise UserError(f"--ranks must be positive, got {args.ranks}")
-    size = f"{args.width}x{args.height}"
-    paths = ModelPaths.find(args.models)
-    calibration = Path(args.calibration) if args.calibration else paths.root / "calibration" / size
-    meta, blocks = read_calibration(calibration)  # before loading anything: a missing calibration fails at once
-    if (meta["width"], meta["height"]) != (args.width, args.height):
-        raise UserError(f"{calibration} was captured at {meta['width']}x{meta['height']}, not {size}: pass --width/--height to match")
-    pipeline = Pipeline.load(args.models, backend=args.backend)
-    config = pipeline.config
-    if len(blocks) != config.num_blocks:
-        raise UserError(f"{calibration} has {len(blocks)} blocks, the model {config.num_blocks}: calibrate this model again")
-    shape = (1, (args.height // 16) * (args.width // 16), config.width)
-    out = Path(args.out) if args.out else pipeline.paths.root / "quant" / size
-    progress = lambda line: print(line, file=sys.stderr, flush=True)
-
-    def e2e(emulators):
-        from anima_ui.vae.decode import decode_latent
-
-        weights = {b: ffn_weights(pipeline.paths.dit, b) for b in range(config.num_blocks)}
-        run_branch, runtime = _attention_branches(pipeline, args)
-        decode = lambda latent: np.asarray(decode_latent(latent, pipeline.paths.vae, prefer=pipeline.decoder)[0])
-        try:
-            return end_to_end(pipeline.weights, config, run_branch, lambda prompt: pipeline.contexts([prompt])[0], decode, weights, emulators,
-                              prompts=PROMPTS[:args.prompts], steps=args.steps, cfg=args.cfg, width=args.width,
-                              height=args.height, negative=meta["negative"], progress=progress)
-        finally:
-            if runtime is not None:
-                runtime.close()
-
     started = time.perf_counter()
-    report = quantize_model(pipeline.paths.dit, blocks, shape, out, convert=args.convert, ranks=tuple(args.ranks),
-                            end_to_end=None if args.no_end_to_end else e2e, progress=progress)
+    report, out = quantize_models_folder(
+        args.models, args.width, args.height, convert=args.convert, ranks=tuple(args.ranks), backend=args.backend,
+        prompts=args.prompts, steps=args.steps, cfg=args.cfg, end_to_end=not args.no_end_to_end,
+        calibration=args.calibration, out=args.out, progress=lambda line: print(line, file=sys.stderr, flush=True))
     _print_report(report)
-    print(f"{len(report['quantized_blocks'])} of {config.num_blocks} FFNs quantized; "
+    print(f"{len(report['quantized_blocks'])} of {len(report['blocks'])} FFNs quantized; "
           f"{'PASSED' if report['passed'] else 'NOT passed'}; {out} in {time.perf_counter() - started:.0f} s")
     return 0 if report["passed"] else 1
-
-
-def _attention_branches(pipeline, args):
-    if args.backend == "torch":
-        from anima_ui.model.reference import TorchBranches
-
-        return TorchBranches(pipeline.weights, pipeline.config), None
-    from anima_ui.runtime import open_runtime
-
-    graphs = pipeline.paths.exported_dir(args.width, args.height)
-    if not (graphs / "manifest.json").is_file():
-        raise UserError(f"no exported graphs in {graphs}: run `anima-ui export --width {args.width} --height {args.height}` first")
-    runtime = open_runtime("onnx", graphs)
-    return runtime, runtime
 
 
 def _print_report(report: dict) -> None:

@@ -19,17 +19,26 @@ import time
 from anima_ui.convert.convert_rknn import VENV_PYTHON, convert_rknn, toolkit_info
 from anima_ui.convert.export import export_graphs
 from anima_ui.download import download, download_plan
+from anima_ui.errors import UserError
 from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime.memory import peak_rss_bytes, reset_peak_rss
+from anima_ui.quant.build import quantize_models_folder
+from anima_ui.quant.install import REPORT, install_quantized_ffns
+from anima_ui.runtime.quantized_ffn import quantized_blocks
 from anima_ui.vae.npu_decoder import graphs_folder
 from anima_ui.vae.npu_graphs import build_vae_graphs, convert_vae_graphs
 
+PREPARE_FFNS = ("fp16", "w8a8-lowrank")
+
 
 def prepare(models_dir, width: int = 512, height: int = 512, target: str = "rk3588", mirror: str | None = None,
-            python=VENV_PYTHON, jobs: int = 1, out=sys.stderr, decoder: bool = True) -> dict:
+            python=VENV_PYTHON, jobs: int = 1, out=sys.stderr, decoder: bool = True, ffn: str = "fp16") -> dict:
     """Run every phase, printing progress to `out`; returns {"rknn": folder, "decoder": folder or None,
-    "peaks": {phase: peak RSS MiB}}. decoder=False leaves out the NPU decoder's graphs."""
+    "peaks": {phase: peak RSS MiB}}. decoder=False leaves out the NPU decoder's graphs. ffn "w8a8-lowrank": then
+    also the quantized FFNs (see quantize_ffns)."""
+    if ffn not in PREPARE_FFNS:
+        raise UserError(f"--ffn {ffn!r}: choose one of {', '.join(PREPARE_FFNS)}")
     info = toolkit_info(python)  # before a 6 GB download: is there a conversion environment at all?
     report = lambda line: print(line, file=out, flush=True)
     report(f"conversion environment: rknn-toolkit2 {info['rknn-toolkit2']}, Python {info['python']}, "
@@ -58,6 +67,8 @@ def prepare(models_dir, width: int = 512, height: int = 512, target: str = "rk35
     peaks["convert (largest graph)"] = max(bar.worker_peaks, default=0.0)
     report(f"convert: {bar.summary()}; peak RSS of one graph's conversion {peaks['convert (largest graph)']:.0f} MiB")
 
+    if ffn == "w8a8-lowrank":
+        quantize_ffns(paths, width, height, converted, report)
     decoder_dir = _prepare_decoder(paths, width, height, target, python, peaks, out, report) if decoder else None
 
     board = platform.machine() == "aarch64"
@@ -85,6 +96,21 @@ def _prepare_decoder(paths, width: int, height: int, target: str, python, peaks:
     report(f"decoder convert: {bar.summary()}; simulator against fp32: {psnrs}; peak RSS of one graph's conversion "
            f"{peaks['decoder convert (largest graph)']:.0f} MiB")
     return rknn_dir
+
+
+def quantize_ffns(paths, width: int, height: int, converted, report) -> None:
+    """W8A8 + low-rank FFNs into the converted folder's manifest. They come from MODELS/quant/WxH, made here from
+    MODELS/calibration/WxH (`anima-ui calibrate`, run where the real weights are) when it is not there yet:
+    per-block gate, hybrid RKNN build with its checks, end-to-end gate on the exported fp32 graphs. Only a folder
+    that passed every gate is installed (quant.install says why not otherwise)."""
+    quant_dir = paths.root / "quant" / f"{width}x{height}"
+    if not (quant_dir / REPORT).is_file():
+        report(f"quantizing the FFNs from {paths.root / 'calibration' / f'{width}x{height}'} (per-block gate, RKNN builds, "
+               "end-to-end gate; hours at full size) ...")
+        quantize_models_folder(paths.root, width, height, convert=True, backend="onnx", progress=report)
+    manifest = install_quantized_ffns(converted, quant_dir)
+    blocks = quantized_blocks(manifest)
+    report(f"quantized FFNs: W8A8 + low-rank in {len(blocks)} of {len(manifest.graphs) // 3} blocks ({', '.join(map(str, blocks))})")
 
 
 class ProgressBar:

@@ -18,12 +18,20 @@ from pathlib import Path
 import numpy as np
 
 from anima_ui.files import write_folder_atomically
+from anima_ui.errors import UserError
 from anima_ui.model.checkpoint import load_dit
+from anima_ui.modelfiles import ModelPaths
+from anima_ui.pipeline import Pipeline
 from anima_ui.model.onnx_graph import write_model
-from anima_ui.quant.capture import BlockCalibration
+from anima_ui.runtime import open_runtime
+from anima_ui.runtime.graphs import graphs_ready
+from anima_ui.runtime.manifest import sha256_file
+from anima_ui.vae.decode import decode_latent
+from anima_ui.quant.capture import BlockCalibration, read_calibration
 from anima_ui.quant.convert import convert_ffn, hybrid_op_problems
 from anima_ui.quant.ffn import QuantizedFfn, emulate
-from anima_ui.quant.e2e import emulators_of
+from anima_ui.quant.e2e import PROMPTS, emulators_of
+from anima_ui.quant.e2e import end_to_end as run_end_to_end
 from anima_ui.quant.graph import quantized_ffn_model
 from anima_ui.quant.gate import RANKS, BlockGate, gate_block, onnx_reference, rel_error
 
@@ -112,7 +120,8 @@ def quantize_model(dit_path, blocks: list[BlockCalibration], shape, out_dir, con
                 progress(f"block {block}: {'quantized' if entry['quantized'] else 'stays FP16'} "
                          f"(rank {best.get('rank')}, FFN rel error {best.get('rel_error', float('nan')):.4f}, "
                          f"{time.perf_counter() - started:.0f} s)")
-        report.update(shape=list(shape), converted=convert, blocks=entries, quantized_blocks=sorted(chosen))
+        report.update(shape=list(shape), converted=convert, checkpoint_sha256=sha256_file(dit_path), blocks=entries,
+                      quantized_blocks=sorted(chosen))
         if end_to_end is not None and chosen:
             e2e = end_to_end(emulators_of(chosen))
             report["end_to_end"] = {"rows": e2e.rows, "seed_spread": e2e.seed_spread, "thresholds": e2e.thresholds(),
@@ -129,3 +138,52 @@ def _json_default(value):
     if isinstance(value, np.generic):
         return value.item()
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def quantize_models_folder(models, width: int, height: int, convert: bool = False, ranks=RANKS, backend: str = "onnx",
+                           prompts: int = 4, steps: int = 20, cfg: float = 4.0, end_to_end: bool = True, calibration=None,
+                           out=None, progress=None) -> tuple[dict, Path]:
+    """`anima-ui quantize-ffn` (and `prepare --ffn w8a8-lowrank`): read MODELS/calibration/WxH, gate and build every
+    block, run the end-to-end gate with the attention branches on `backend` ("torch": the fp32 DiT in memory;
+    "onnx": the exported fp32 graphs), and write MODELS/quant/WxH. Returns (report, folder)."""
+    paths = ModelPaths.find(models)
+    size = f"{width}x{height}"
+    calibration = Path(calibration) if calibration else paths.root / "calibration" / size
+    meta, blocks = read_calibration(calibration)  # before loading anything: a missing calibration fails at once
+    if (meta["width"], meta["height"]) != (width, height):
+        raise UserError(f"{calibration} was captured at {meta['width']}x{meta['height']}, not {size}: pass --width/--height to match")
+    pipeline = Pipeline.load(models, backend=backend)
+    config = pipeline.config
+    if len(blocks) != config.num_blocks:
+        raise UserError(f"{calibration} has {len(blocks)} blocks, the model {config.num_blocks}: calibrate this model again")
+    shape = (1, (height // 16) * (width // 16), config.width)
+    out = Path(out) if out else paths.root / "quant" / size
+
+    def e2e(emulators):
+        weights = {b: ffn_weights(paths.dit, b) for b in range(config.num_blocks)}
+        run_branch, runtime = _attention_branches(pipeline, backend, width, height)
+        decode = lambda latent: np.asarray(decode_latent(latent, paths.vae, prefer=pipeline.decoder)[0])
+        try:
+            return run_end_to_end(pipeline.weights, config, run_branch, lambda prompt: pipeline.contexts([prompt])[0], decode,
+                                  weights, emulators, prompts=PROMPTS[:prompts], steps=steps, cfg=cfg, width=width,
+                                  height=height, negative=meta["negative"], progress=progress)
+        finally:
+            if runtime is not None:
+                runtime.close()
+
+    report = quantize_model(paths.dit, blocks, shape, out, convert=convert, ranks=ranks,
+                            end_to_end=e2e if end_to_end else None, progress=progress)
+    return report, out
+
+
+def _attention_branches(pipeline, backend: str, width: int, height: int):
+    """(run_branch, runtime to close or None) for the end-to-end gate's attention branches."""
+    if backend == "torch":
+        from anima_ui.model.reference import TorchBranches  # torch (optional): only this backend needs it
+
+        return TorchBranches(pipeline.weights, pipeline.config), None
+    graphs = pipeline.paths.exported_dir(width, height)
+    if not graphs_ready(graphs):
+        raise UserError(f"no exported graphs in {graphs}: run `anima-ui export --width {width} --height {height}` first")
+    runtime = open_runtime("onnx", graphs, ffn="fp16")
+    return runtime, runtime

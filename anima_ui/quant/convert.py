@@ -77,7 +77,7 @@ def hybrid_op_problems(ops: list[Op]) -> list[str]:
         return ["the build log has no op table"]
     problems = []
     residual = [op for op in ops if op.type in CONV_TYPES and RESIDUAL.match(op.name)]
-    if sorted(RESIDUAL.match(op.name)[1] for op in residual) != ["res1", "res2"]:
+    if {RESIDUAL.match(op.name)[1] for op in residual} != {"res1", "res2"}:
         problems.append(f"expected INT8 Convs for res1 and res2, found {[op.name for op in residual]}")
     for op in ops:
         if op.type in CONV_TYPES:
