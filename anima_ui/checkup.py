@@ -17,7 +17,7 @@ import onnxruntime
 
 from anima_ui import modelfiles
 from anima_ui.errors import UserError
-from anima_ui.runtime import board
+from anima_ui.runtime import board, quantized_ffn
 from anima_ui.runtime.backends import RknnLiteBackend
 from anima_ui.runtime.graphs import ready_graph_folders
 from anima_ui.runtime.manifest import MANIFEST, Manifest, sha256_file
@@ -70,6 +70,7 @@ def collect(models_dir, width: int | None = None, height: int | None = None, qui
         run, versions = _npu_run(models, graphs, width, height, core_mask, lite2, npu, library)
         rows.append(run)
         rows.append(_decoder_row(models, width, height, core_mask, lite2, npu, library))
+        rows += _quantized_rows(graphs, lambda: RknnLiteBackend(npu, library), core_mask, lite2)
         if versions.get("driver") and not npu.driver_version:  # debugfs is root's; the runtime tells everyone
             rows = [Row(r.check, r.status, f"{npu.driver} {versions['driver']} (as the runtime reports it)") if r.check == "NPU driver" else r
                     for r in rows]
@@ -371,6 +372,43 @@ def _decoder_row(models: Path, width, height, core_mask: str, lite2: board.Lite2
         return Row("NPU decoder", "ok", f"{value} against the fp32 decoder (gate {MIN_BOARD_PSNR:.0f} dB): --decoder npu works")
     return Row("NPU decoder", "warn", f"{value}; {', '.join(failed)} below {MIN_BOARD_PSNR:.0f} dB or not finite",
                "keep --decoder sdcpp (the default); report the runtime, driver and toolkit versions above")
+
+
+def _quantized_rows(graphs: list[Path], make_backend, core_mask: str, lite2: board.Lite2) -> list[Row]:
+    """Per converted folder with W8A8 + low-rank FFNs: their graphs on the NPU against the toolkit simulator's
+    outputs saved when they were built (and their files against the manifest's hashes)."""
+    rows = []
+    for folder in graphs:
+        try:
+            manifest = Manifest.read(folder)
+        except UserError:
+            continue  # the hashes row reports a damaged manifest
+        blocks = quantized_ffn.quantized_blocks(manifest)
+        if not blocks:
+            continue
+        name = f"quantized FFNs rknn/{folder.name}"
+        entries = [manifest.graph(b, "mlp").extra[quantized_ffn.KEY] for b in blocks]
+        bad = [e["file"] for e in entries if not (folder / e["file"]).is_file() or sha256_file(folder / e["file"]) != e["sha256"]]
+        if bad:
+            rows.append(Row(name, "fail", f"blocks {blocks}; differ from the manifest: {', '.join(bad[:3])}",
+                            "`anima-ui prepare --ffn w8a8-lowrank` installs them again"))
+            continue
+        if lite2.import_error is not None:
+            rows.append(Row(name, "skip", f"blocks {blocks}; their board-vs-simulator check needs rknn-toolkit-lite2"))
+            continue
+        try:
+            checks = quantized_ffn.board_check(folder, manifest, make_backend(), core_mask)
+        except UserError as exc:
+            rows.append(Row(name, "fail", f"blocks {blocks}", str(exc)))
+            continue
+        worst = min(checks, key=lambda c: c["cosine"])
+        value = (f"blocks {blocks}; NPU vs simulator on saved inputs: worst cosine {worst['cosine']:.7f} (block {worst['block']}), "
+                 f"rel err {max(c['rel_error'] for c in checks):.2e}")
+        failed = [c["block"] for c in checks if not c["passed"]]
+        rows.append(Row(name, "fail", value + f"; blocks {failed} below {quantized_ffn.MIN_BOARD_COSINE}",
+                        "prepare without --ffn (FP16 FFNs) and report the runtime, driver and toolkit versions above")
+                    if failed else Row(name, "ok", value))
+    return rows
 
 
 def spec_dtype(session, name: str):

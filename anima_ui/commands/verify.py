@@ -10,7 +10,12 @@ exported fp32 ONNX graphs run by onnxruntime instead (as the blog's 28-block che
 
 `--decoder npu` checks the NPU decoder graphs instead: it decodes the test latent stored at conversion with
 every layout on the backend and compares with the project's fp32 decoder image of the same tile plan stored
-beside it. Exit 0 only when every layout reaches 50 dB with no NaN/Inf."""
+beside it. Exit 0 only when every layout reaches 50 dB with no NaN/Inf.
+
+The forward runs the FP16 FFN graphs. A converted folder with W8A8 + low-rank FFNs (`prepare --ffn w8a8-lowrank`)
+also gets the board-vs-simulator check: each quantized graph on the inputs saved when it was built, against
+the toolkit simulator's outputs on them (their quality against FP16 was gated when they were made); it needs
+the rknn backend (the NPU), and is part of the verdict."""
 
 import json
 import sys
@@ -25,7 +30,7 @@ from anima_ui.errors import UserError
 from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.modelfiles import ModelPaths
-from anima_ui.runtime import open_runtime
+from anima_ui.runtime import open_runtime, quantized_ffn
 from anima_ui.runtime.executor import make_backend
 from anima_ui.runtime.graphs import graphs_dir, graphs_ready
 from anima_ui.runtime.host_weights import load_host_weights
@@ -99,7 +104,7 @@ def run(args) -> int:
         def compare_with_split(i, residual):
             rows.append((f"block {i}", compare(np.load(stash / f"block{i}.npy"), residual)))
 
-        with open_runtime(args.backend, graphs, plan, **open_options(args)) as runtime:
+        with open_runtime(args.backend, graphs, plan, **open_options(args), ffn="fp16") as runtime:
             split = runtime.forward(weights, x, sigma, kv, rope, on_block=lambda i, residual: np.save(stash / f"block{i}.npy", residual))
             manifest = runtime.manifest
         if args.reference == "torch":
@@ -121,8 +126,10 @@ def run(args) -> int:
     min_cosine = min(m["cosine"] for _, m in rows)
     nonfinite = sum(m["nonfinite"] for _, m in rows)
     passed = min_cosine >= threshold and nonfinite == 0
+    quantized = quantized_check(args, runtime.graphs_dir, manifest)
+    passed = passed and all(row["passed"] for row in quantized or [])
     print(json.dumps({"backend": args.backend, "min_cosine": min_cosine, "final_cosine": rows[-1][1]["cosine"],
-                      "threshold": threshold, "nonfinite": nonfinite, "passed": passed}))
+                      "threshold": threshold, "nonfinite": nonfinite, "quantized_ffns": quantized, "passed": passed}))
     return 0 if passed else 1
 
 
@@ -151,3 +158,22 @@ def verify_decoder(args) -> int:
     print(json.dumps({"backend": args.backend, "decoder": "npu", "threshold": MIN_BOARD_PSNR, "layouts": results,
                       "passed": not failed}))
     return 0 if not failed else 1
+
+
+def quantized_check(args, graphs, manifest) -> list[dict] | None:
+    """The quantized FFN graphs on the NPU against the simulator's saved outputs (None: the folder has none)."""
+    if not quantized_ffn.quantized_blocks(manifest):
+        return None
+    if args.backend != "rknn":
+        print("quantized FFNs: their board-vs-simulator check needs --backend rknn (the NPU)")
+        return None
+    rows = quantized_ffn.board_check(graphs, manifest, make_backend("rknn"), args.core_mask)
+    print_quantized_rows(rows)
+    return rows
+
+
+def print_quantized_rows(rows: list[dict]) -> None:
+    print(f"quantized FFNs on this NPU vs the toolkit's simulator on saved inputs (gate: cosine >= {quantized_ffn.MIN_BOARD_COSINE}):")
+    for row in rows:
+        print(f"{'block ' + str(row['block']):>17} {row['cosine']:12.9f} rel err {row['rel_error']:.3e} NaN/Inf {row['nonfinite']} "
+              f"{'ok' if row['passed'] else 'FAILED'}")

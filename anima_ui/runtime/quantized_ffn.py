@@ -68,7 +68,7 @@ def swap_in(graph_sets: dict, batch: int, ffn: str) -> tuple[dict, dict[int, np.
     return {**graph_sets, batch: (folder, manifest)}, scales, described
 
 
-def board_check(folder, manifest: Manifest, backend) -> list[dict]:
+def board_check(folder, manifest: Manifest, backend, core_mask: str = "auto") -> list[dict]:
     """Each quantized graph run by `backend` (on the board: RKNN-Lite on the NPU) on its saved inputs, against the
     simulator's saved outputs: {"block", "cosine", "rel_error", "nonfinite", "passed"} per block."""
     quantized, _ = with_quantized_ffns(manifest, folder)
@@ -77,7 +77,7 @@ def board_check(folder, manifest: Manifest, backend) -> list[dict]:
         entry = quantized.graph(block, "mlp")
         with np.load(folder / entry.extra[KEY]["check"]) as check:
             inputs, expected = check["inputs"], check["outputs"]
-        context = backend.init(backend.load(folder, entry), entry)
+        context = backend.init(backend.load(folder / entry.file, entry), entry, core_mask)
         try:
             outputs = [backend.run(context, entry, [x.astype(backend.input_dtype(entry, 0))]) for x in inputs]
         finally:
