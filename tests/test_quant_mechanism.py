@@ -4,6 +4,8 @@ quantize every FFN and pass both gates, while plain W8A8 fails the per-block gat
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -11,14 +13,24 @@ from functools import partial
 import numpy as np
 import pytest
 
+from anima_ui.errors import UserError
+from anima_ui.infotext import format_infotext, parse_infotext
 from anima_ui.model.checkpoint import load_dit
+from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.model.reference import TorchBranches
 from anima_ui.modelfiles import ModelPaths
+from anima_ui.pipeline import Pipeline, ResultEvent
 from anima_ui.quant import gate
 from anima_ui.quant.build import ffn_weights, quantize_model
 from anima_ui.quant.capture import read_calibration
 from anima_ui.quant.e2e import PROMPTS, end_to_end
 from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain
+from anima_ui.quant.install import install_quantized_ffns
+from anima_ui.request import GenerationRequest
+from anima_ui.runtime import open_runtime
+from anima_ui.runtime.host_weights import load_host_weights
+from anima_ui.runtime.manifest import Manifest
+from anima_ui.runtime.quantized_ffn import quantized_blocks
 from anima_ui.fixtures.outliers import write_outlier_model
 from anima_ui.text.encoder import TextEncoder
 from anima_ui.vae.decode import decode_latent
@@ -154,3 +166,61 @@ def test_capture_through_onnx_graphs_matches_torch(tmp_path):
         assert a.calib_x.shape == b.calib_x.shape == (2 * 2 * 16, 64)
         for name in ("calib_x", "heldout_x", "amax_x", "amax_hidden", "heldout_gate", "heldout_residual_norm"):
             assert np.allclose(getattr(a, name), getattr(b, name), rtol=2e-3, atol=2e-3), name
+
+
+def test_installed_quantized_ffns_run_through_the_fold_and_are_recorded(quantized, outlier_model, tmp_path):
+    """install_quantized_ffns into an exported folder (the .onnx twins of the quantized graphs: the same smoothing
+    and low-rank split in float, so only the wiring can make them differ from the FP16 FFNs), then the runtime runs
+    them with λ1 folded into the modulation, and the pipeline's summary and PNG parameters say so."""
+    report, _ = quantized
+    models = tmp_path / "models"
+    shutil.copytree(outlier_model[0], models)  # installing rewrites the graphs' manifest: not the shared fixture's
+    assert anima_ui("export", "--models", str(models), "--width", "64", "--height", "64").returncode == 0
+    exported = models / "exported" / "64x64"
+    manifest = install_quantized_ffns(exported, models / "quant" / "64x64")
+    assert quantized_blocks(manifest) == report["quantized_blocks"] == [0, 1]
+    assert quantized_blocks(Manifest.read(exported)) == [0, 1] and Manifest.read(exported).graph(0, "mlp").file == "block00_mlp.onnx"
+
+    config, weights = load_host_weights(ModelPaths.find(models).dit)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, config.latent_channels, 8, 8)).astype(np.float32)
+    kv = prepare_kv(weights, rng.standard_normal((2, config.context_len, config.context_dim)).astype(np.float32))
+    rope = prepare_rope(config, 8, 8)
+    forward = lambda runtime, scales: dit_forward(weights, runtime, x, np.full(2, 0.6, np.float32), kv, rope, ffn_input_scales=scales)
+    with open_runtime("onnx", exported, ffn="fp16") as runtime:
+        assert runtime.ffn == "fp16" and runtime.ffn_input_scales == {}
+        fp = forward(runtime, None)
+    with open_runtime("onnx", exported) as runtime:  # "auto": the quantized graphs, since the folder has them
+        assert runtime.ffn == "w8a8-lowrank (blocks 0,1)" and sorted(runtime.ffn_input_scales) == [0, 1]
+        folded = forward(runtime, runtime.ffn_input_scales)
+        unfolded = forward(runtime, None)
+    assert gate.cosine(folded, fp) > 0.99999 and gate.rel_error(folded, fp) < 1e-4
+    assert gate.rel_error(unfolded, fp) > 100 * gate.rel_error(folded, fp)  # without the fold the graphs get the wrong input
+
+    pipeline = Pipeline.load(models, backend="onnx")
+    request = GenerationRequest(prompt="a red fox", width=64, height=64, steps=2, seed=3, decode=False)
+    summary = [e for e in pipeline.generate(request) if isinstance(e, ResultEvent)][0].summary
+    assert summary["ffn"] == "w8a8-lowrank (blocks 0,1)"
+    assert parse_infotext(format_infotext(request, summary))[2]["FFN"] == "w8a8-lowrank (blocks 0,1)"
+
+
+def test_install_refuses_what_did_not_pass_or_another_checkpoint(quantized, outlier_model, tmp_path):
+    models = tmp_path / "models"
+    shutil.copytree(outlier_model[0], models)
+    assert anima_ui("export", "--models", str(models), "--width", "64", "--height", "64").returncode == 0
+    exported, quant = models / "exported" / "64x64", models / "quant" / "64x64"
+    before = (exported / "manifest.json").read_bytes()
+    report = json.loads((quant / "report.json").read_text())
+    for change, message in ((dict(passed=False), "did not pass its gates"), (dict(checkpoint_sha256="0" * 64), "another checkpoint"),
+                            (dict(shape=[1, 64, 64]), re.escape("was made for FFN inputs [1, 64, 64]"))):
+        (quant / "report.json").write_text(json.dumps({**report, **change}))
+        with pytest.raises(UserError, match=message):
+            install_quantized_ffns(exported, quant)
+    (quant / "report.json").unlink()
+    with pytest.raises(UserError, match="run `anima-ui calibrate` and `anima-ui quantize-ffn --convert`"):
+        install_quantized_ffns(exported, quant)
+    assert (exported / "manifest.json").read_bytes() == before
+    with open_runtime("onnx", exported) as runtime:
+        assert runtime.ffn == "fp16"
+    with pytest.raises(UserError, match="has no quantized FFNs"):
+        open_runtime("onnx", exported, ffn="w8a8-lowrank")

@@ -2,14 +2,18 @@
 model's quantized FFNs built with hybrid quantization, their op tables, and the emulator against the toolkit's
 simulator; the toolkit's own W8A8 and FP16 builds against the emulator's models of them."""
 
+import io
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from anima_ui import checkup
 from anima_ui.convert.convert_rknn import VENV_PYTHON
+from anima_ui.convert.prepare import prepare
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.quant.build import ffn_weights, graph_inputs, quantize_model
 from anima_ui.quant.capture import read_calibration
@@ -20,6 +24,9 @@ from anima_ui.model.onnx_graph import write_model
 from anima_ui.quant.graph import float_ffn_model
 from anima_ui.quant.numerics import ffn_fp16, ffn_fp32
 from anima_ui.fixtures.outliers import write_outlier_model
+from anima_ui.runtime.backends import Backend
+from anima_ui.runtime.manifest import Manifest
+from anima_ui.runtime.quantized_ffn import KEY, board_check, folder_lines, quantized_blocks
 
 pytestmark = pytest.mark.rknn
 SHAPE = (1, 16, 64)  # 64x64 images: 16 tokens of the 64-wide tiny model
@@ -44,15 +51,18 @@ def test_quantized_ffns_convert_with_int8_residuals_and_match_the_emulator(calib
     for entry in report["blocks"]:
         conversion = entry["conversion"]
         assert conversion["problems"] == [] and conversion["toolkit"] == "2.5.0"
-        # the emulator reproduces the simulator (bit for bit here, up to the A&S erf at a rounding edge)
-        assert max(conversion["emulator_vs_simulator"]) < 1e-3 * max(conversion["simulator_error"])
+        # the emulator reproduces the simulator: bit for bit but where an FP16 GELU input sits on a rounding edge
+        # (one ulp there moves the int8 code of a few hidden values), far below the quantization error
+        assert max(conversion["emulator_vs_simulator"]) < 1e-2 * max(conversion["simulator_error"])
         assert max(conversion["simulator_error"]) < 0.02
         stem = tmp_path / "q" / f"block{entry['block']:02d}_mlp_w8a8"
         assert stem.with_suffix(".rknn").stat().st_size > 0
         saved = np.load(stem.with_suffix(".check.npz"))
         q = QuantizedFfn.load(stem.with_suffix(".npz"))
         assert saved["inputs"].shape == saved["outputs"].shape == (2, *SHAPE)
-        assert rel_error(emulate(q, saved["inputs"][0]), saved["outputs"][0]) == conversion["emulator_vs_simulator"][0]
+        emulated = emulate(q, saved["inputs"][0])
+        assert rel_error(emulated, saved["outputs"][0]) == conversion["emulator_vs_simulator"][0]
+        assert np.mean(emulated == saved["outputs"][0]) > 0.99
 
 
 def test_the_toolkits_own_w8a8_and_fp16_builds_match_their_emulations(calibrated, tmp_path):
@@ -76,3 +86,55 @@ def test_the_toolkits_own_w8a8_and_fp16_builds_match_their_emulations(calibrated
         assert rel_error(sim_fp16, reference) < 1e-3
         assert rel_error(ffn_fp16(x, w1, w2), sim_fp16) < 0.1 * rel_error(sim_fp16, reference)
     assert fp16.cycles > int8.cycles
+
+
+class EmulatedNpu(Backend):
+    """Runs a quantized FFN graph with the emulator (shown above to reproduce the simulator); `wrong` runs the other
+    block's FFN instead, as a board computing a graph wrongly would."""
+
+    graph_format = "rknn"
+
+    def __init__(self, quant_dir, wrong: bool = False):
+        self.quant_dir, self.wrong = quant_dir, wrong
+
+    def load(self, folder, entry):
+        block = int(entry.file[len("block"):len("block") + 2])
+        return QuantizedFfn.load(self.quant_dir / f"block{1 - block if self.wrong else block:02d}_mlp_w8a8.npz")
+
+    def init(self, loaded, entry):
+        return loaded
+
+    def run(self, context, entry, arrays):
+        return emulate(context, arrays[0])
+
+    def release(self, context, entry):
+        pass
+
+
+def test_prepare_with_quantized_ffns_installs_them_and_doctor_checks_them(calibrated, tmp_path):
+    models = tmp_path / "models"
+    shutil.copytree(calibrated[0], models)
+    out = io.StringIO()
+    prepare(models, 64, 64, mirror=models.resolve().as_uri(), ffn="w8a8-lowrank", out=out)
+    assert "quantized FFNs: W8A8 + low-rank in 2 of 2 blocks (0, 1)" in out.getvalue()
+    folder, quant = models / "rknn" / "64x64", models / "quant" / "64x64"
+    manifest = Manifest.read(folder)
+    assert quantized_blocks(manifest) == [0, 1]
+    for block in (0, 1):
+        entry = manifest.graph(block, "mlp")
+        assert entry.file == f"block{block:02d}_mlp.rknn"  # the FP16 graph stays listed
+        installed = entry.extra[KEY]
+        assert installed["file"] == f"block{block:02d}_mlp_w8a8.rknn" and (folder / installed["check"]).is_file()
+        assert np.array_equal(np.load(folder / installed["smooth_in"]), QuantizedFfn.load(quant / f"block{block:02d}_mlp_w8a8.npz").smooth_in)
+    assert folder_lines(models) == ["**FFNs** rknn/64x64: W8A8 + low-rank in blocks 0,1"]
+
+    rows = board_check(folder, manifest, EmulatedNpu(quant))
+    assert [r["block"] for r in rows] == [0, 1] and all(r["passed"] for r in rows) and max(r["rel_error"] for r in rows) < 1e-3
+    assert not any(r["passed"] for r in board_check(folder, manifest, EmulatedNpu(quant, wrong=True)))
+
+    # this machine has no rknn-toolkit-lite2: doctor lists the blocks and says what the check needs
+    row = next(r for r in checkup.collect(models).rows if r.check == "quantized FFNs rknn/64x64")
+    assert row.status == "skip" and "blocks [0, 1]" in row.value and "rknn-toolkit-lite2" in row.value
+    # prepare without --ffn: the FP16 FFNs again
+    prepare(models, 64, 64, mirror=models.resolve().as_uri(), out=io.StringIO())
+    assert quantized_blocks(Manifest.read(folder)) == []
