@@ -114,7 +114,7 @@ def test_plain_w8a8_fails_end_to_end(outlier_model, quantized, one_torch_thread)
     _, blocks = read_calibration(folder / "calibration" / "64x64")
     weights = {b: ffn_weights(paths.dit, b) for b in range(config.num_blocks)}
     plain = {b: partial(emulate_plain, *weights[b], calib.calib_x) for b, calib in enumerate(blocks)}
-    decode = lambda latent: np.asarray(decode_latent(latent, paths.vae, prefer="torch")[0])
+    decode = lambda latent: np.asarray(decode_latent(latent, paths.vae, prefer="onnx")[0])
     encoder = TextEncoder.load(paths)
     result = end_to_end(state, config, TorchBranches(state, config), lambda prompt: encoder.encode([prompt])[0], decode, weights,
                         (plain, {}), prompts=PROMPTS[:1], width=64, height=64)

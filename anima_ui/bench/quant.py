@@ -93,7 +93,7 @@ def _synthetic(args, tmp: Path) -> None:
             print(f"{block:>5} {name:<24} {alphas:>9} {m['cosine']:>10.6f} {m['rel_error']:>8.2%} {m['residual_error']:>10.2e} "
                   f"{m['residual_error'] / fp16['residual_error']:>7.1f} {'pass' if passes(m) else 'fail':>5}")
 
-    decode = lambda latent: np.asarray(decode_latent(latent, paths.vae, prefer="torch")[0])
+    decode = lambda latent: np.asarray(decode_latent(latent, paths.vae, prefer="onnx")[0])
     run_e2e = partial(end_to_end, state, config, branches, encode, decode, weights, prompts=PROMPTS[:args.prompts],
                       width=args.image, height=args.image)
     plain = {b: partial(emulate_plain, *weights[b], calib.calib_x) for b, calib in enumerate(blocks)}
