@@ -15,7 +15,7 @@ from anima_ui import checkup
 from anima_ui.convert.convert_rknn import VENV_PYTHON
 from anima_ui.convert.prepare import prepare
 from anima_ui.modelfiles import ModelPaths
-from anima_ui.quant.build import ffn_weights, graph_inputs, quantize_model
+from anima_ui.quant.build import MAX_EMULATOR_GAP, ffn_weights, graph_inputs, quantize_model
 from anima_ui.quant.capture import read_calibration
 from anima_ui.quant.convert import convert_ffn
 from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain
@@ -52,8 +52,8 @@ def test_quantized_ffns_convert_with_int8_residuals_and_match_the_emulator(calib
         conversion = entry["conversion"]
         assert conversion["problems"] == [] and conversion["toolkit"] == "2.5.0"
         # the emulator reproduces the simulator: bit for bit but where an FP16 GELU input sits on a rounding edge
-        # (one ulp there moves the int8 code of a few hidden values), far below the quantization error
-        assert max(conversion["emulator_vs_simulator"]) < 1e-2 * max(conversion["simulator_error"])
+        # (one ulp there moves the int8 code of a few hidden values: measured 0 to 1.5 % of the quantization error)
+        assert max(conversion["emulator_vs_simulator"]) < MAX_EMULATOR_GAP * min(conversion["simulator_error"])
         assert max(conversion["simulator_error"]) < 0.02
         stem = tmp_path / "q" / f"block{entry['block']:02d}_mlp_w8a8"
         assert stem.with_suffix(".rknn").stat().st_size > 0

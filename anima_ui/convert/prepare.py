@@ -22,9 +22,8 @@ from anima_ui.download import download, download_plan
 from anima_ui.errors import UserError
 from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.modelfiles import ModelPaths
-from anima_ui.runtime.memory import peak_rss_bytes, reset_peak_rss
-from anima_ui.quant.build import quantize_models_folder
 from anima_ui.quant.install import REPORT, install_quantized_ffns
+from anima_ui.runtime.memory import peak_rss_bytes, reset_peak_rss
 from anima_ui.runtime.quantized_ffn import quantized_blocks
 from anima_ui.vae.npu_decoder import graphs_folder
 from anima_ui.vae.npu_graphs import build_vae_graphs, convert_vae_graphs
@@ -103,6 +102,10 @@ def quantize_ffns(paths, width: int, height: int, converted, report) -> None:
     MODELS/calibration/WxH (`anima-ui calibrate`, run where the real weights are) when it is not there yet:
     per-block gate, hybrid RKNN build with its checks, end-to-end gate on the exported fp32 graphs. Only a folder
     that passed every gate is installed (quant.install says why not otherwise)."""
+    # here, not at the top: quant.build loads the pipeline and with it transformers (the tokenizers), which export
+    # and conversion do not need; prepare without --ffn starts without them
+    from anima_ui.quant.build import quantize_models_folder
+
     quant_dir = paths.root / "quant" / f"{width}x{height}"
     if not (quant_dir / REPORT).is_file():
         report(f"quantizing the FFNs from {paths.root / 'calibration' / f'{width}x{height}'} (per-block gate, RKNN builds, "
