@@ -31,6 +31,7 @@ from anima_ui.runtime import open_runtime
 from anima_ui.runtime.host_weights import load_host_weights
 from anima_ui.runtime.manifest import Manifest
 from anima_ui.runtime.quantized_ffn import quantized_blocks
+from anima_ui.runtime.variants import Plan
 from anima_ui.fixtures.outliers import write_outlier_model
 from anima_ui.text.encoder import TextEncoder
 from anima_ui.vae.decode import decode_latent
@@ -171,7 +172,8 @@ def test_capture_through_onnx_graphs_matches_torch(tmp_path):
 def test_installed_quantized_ffns_run_through_the_fold_and_are_recorded(quantized, outlier_model, tmp_path):
     """install_quantized_ffns into an exported folder (the .onnx twins of the quantized graphs: the same smoothing
     and low-rank split in float, so only the wiring can make them differ from the FP16 FFNs), then the runtime runs
-    them with λ1 folded into the modulation, and the pipeline's summary and PNG parameters say so."""
+    them with λ1 folded into the modulation (runtime.forward on one chain and on two: each chain's dit_forward folds),
+    and the pipeline's summary and PNG parameters say so."""
     report, _ = quantized
     models = tmp_path / "models"
     shutil.copytree(outlier_model[0], models)  # installing rewrites the graphs' manifest: not the shared fixture's
@@ -186,7 +188,8 @@ def test_installed_quantized_ffns_run_through_the_fold_and_are_recorded(quantize
     x = rng.standard_normal((2, config.latent_channels, 8, 8)).astype(np.float32)
     kv = prepare_kv(weights, rng.standard_normal((2, config.context_len, config.context_dim)).astype(np.float32))
     rope = prepare_rope(config, 8, 8)
-    forward = lambda runtime, scales: dit_forward(weights, runtime, x, np.full(2, 0.6, np.float32), kv, rope, ffn_input_scales=scales)
+    sigma = np.full(2, 0.6, np.float32)
+    forward = lambda runtime, scales: dit_forward(weights, runtime, x, sigma, kv, rope, ffn_input_scales=scales)
     with open_runtime("onnx", exported, ffn="fp16") as runtime:
         assert runtime.ffn == "fp16" and runtime.ffn_input_scales == {}
         fp = forward(runtime, None)
@@ -196,6 +199,12 @@ def test_installed_quantized_ffns_run_through_the_fold_and_are_recorded(quantize
         unfolded = forward(runtime, None)
     assert gate.cosine(folded, fp) > 0.99999 and gate.rel_error(folded, fp) < 1e-4
     assert gate.rel_error(unfolded, fp) > 100 * gate.rel_error(folded, fp)  # without the fold the graphs get the wrong input
+    for plan in (Plan.uniform("serial"), Plan.uniform("two-chains"),
+                 Plan({"self_attn": "prefetch", "cross_attn": "two-chains", "mlp": "prefetch"}),
+                 Plan({"self_attn": "prefetch", "cross_attn": "prefetch", "mlp": "two-chains"})):
+        with open_runtime("onnx", exported, plan) as runtime:
+            assert runtime.ffn == "w8a8-lowrank (blocks 0,1)"
+            assert gate.rel_error(runtime.forward(weights, x, sigma, kv, rope), folded) < 1e-5, plan.variants
 
     pipeline = Pipeline.load(models, backend="onnx")
     request = GenerationRequest(prompt="a red fox", width=64, height=64, steps=2, seed=3, decode=False)

@@ -152,7 +152,7 @@ def quantize_models_folder(models, width: int, height: int, convert: bool = Fals
     meta, blocks = read_calibration(calibration)  # before loading anything: a missing calibration fails at once
     if (meta["width"], meta["height"]) != (width, height):
         raise UserError(f"{calibration} was captured at {meta['width']}x{meta['height']}, not {size}: pass --width/--height to match")
-    pipeline = Pipeline.load(models, backend=backend)
+    pipeline = Pipeline.load(models, backend=backend, decoder="sdcpp")
     config = pipeline.config
     if len(blocks) != config.num_blocks:
         raise UserError(f"{calibration} has {len(blocks)} blocks, the model {config.num_blocks}: calibrate this model again")
