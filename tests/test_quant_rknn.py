@@ -97,11 +97,11 @@ class EmulatedNpu(Backend):
     def __init__(self, quant_dir, wrong: bool = False):
         self.quant_dir, self.wrong = quant_dir, wrong
 
-    def load(self, folder, entry):
+    def load(self, path, entry):
         block = int(entry.file[len("block"):len("block") + 2])
         return QuantizedFfn.load(self.quant_dir / f"block{1 - block if self.wrong else block:02d}_mlp_w8a8.npz")
 
-    def init(self, loaded, entry):
+    def init(self, loaded, entry, core_mask):
         return loaded
 
     def run(self, context, entry, arrays):
