@@ -22,7 +22,8 @@ from anima_ui.runtime.backends import RknnLiteBackend
 from anima_ui.runtime.graphs import ready_graph_folders
 from anima_ui.runtime.manifest import MANIFEST, Manifest, sha256_file
 from anima_ui.runtime.memory import GIB, read_meminfo, swap_used
-from anima_ui.vae.npu_decoder import MIN_BOARD_PSNR, check_npu_decoder, graphs_folder
+from anima_ui.vae.npu_decoder import MIN_BOARD_PSNR, check_npu_decoder, graphs_folder, pick_layout
+from anima_ui.vae.npu_graphs import VaeGraphs
 
 MIN_COSINE = 0.9999  # the FP16 gate of `anima-ui verify` and of the conversion's simulator check
 APP_NEEDS_GIB = 3.0  # what one generation at 512x512 holds on the board's host
@@ -369,7 +370,8 @@ def _decoder_row(models: Path, width, height, core_mask: str, lite2: board.Lite2
                                            for layout, r in results.items())
     failed = [layout for layout, r in results.items() if not r["ok"]]
     if not failed:
-        return Row("NPU decoder", "ok", f"{value} against the fp32 decoder (gate {MIN_BOARD_PSNR:.0f} dB): --decoder npu works")
+        return Row("NPU decoder", "ok", f"{value} against the fp32 decoder (gate {MIN_BOARD_PSNR:.0f} dB): --decoder npu "
+                                        f"works (it runs {pick_layout(VaeGraphs.read(folder))})")
     return Row("NPU decoder", "warn", f"{value}; {', '.join(failed)} below {MIN_BOARD_PSNR:.0f} dB or not finite",
                "keep --decoder sdcpp (the default); report the runtime, driver and toolkit versions above")
 

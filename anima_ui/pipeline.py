@@ -35,7 +35,8 @@ from anima_ui.sampling.schedule import simple_sigmas
 from anima_ui.sampling.spectrum import Spectrum
 from anima_ui.text.encoder import TextEncoder, open_networks
 from anima_ui.vae.decode import DECODERS, decode_latent
-from anima_ui.vae.npu_decoder import DEFAULT_LAYOUT
+from anima_ui.vae.latent import SCALE
+from anima_ui.vae.npu_decoder import model_layout
 
 CACHED_CONTEXTS = 4  # positive + negative of the current job and of the previous one
 
@@ -191,7 +192,7 @@ class Pipeline:
             "model_evals": model_evals,
             "transformer_passes": (2 if request.uses_uncond else 1) * model_evals,
             "decoder": decoder,
-            "decoder_layout": self.npu_options()["layout"] if decoder == "npu" else None,
+            "decoder_layout": self.npu_options(request.width, request.height)["layout"] if decoder == "npu" else None,
             "warning": warning,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
             "per_step": steps,
@@ -293,16 +294,19 @@ class Pipeline:
             raise UserError("the denoised latent contains NaN or Inf; nothing was saved (try another seed or fewer steps)")
         return x, records, runtime.ffn
 
-    def npu_options(self) -> dict:
-        """The NPU decoder's options: the branches' runtime (onnxruntime when the branches run in torch) and its
-        default layout."""
-        return {"backend": "onnx" if self.backend == "torch" else self.backend, "layout": DEFAULT_LAYOUT,
+    def npu_options(self, width: int, height: int) -> dict:
+        """The NPU decoder's options: the branches' runtime (onnxruntime when the branches run in torch) and the
+        layout its graphs folder for this size runs (model_layout)."""
+        backend = "onnx" if self.backend == "torch" else self.backend
+        return {"backend": backend, "layout": model_layout(self.paths.vae, backend, width, height),
                 **{k: self.runtime_options[k] for k in ("time_scale", "core_mask") if k in self.runtime_options}}
 
     def _decode(self, latent, choice: RuntimeChoice | None, cancel):
         """The flag's decoder, else the tune profile's faster correct one at this size, else sd.cpp."""
         prefer = self.decoder or (choice and choice.decoder) or "sdcpp"
-        return decode_latent(latent, self.paths.vae, prefer=prefer, npu=self.npu_options(), cancel=cancel)
+        _, _, h, w = np.shape(latent)
+        npu = self.npu_options(w * SCALE, h * SCALE)
+        return decode_latent(latent, self.paths.vae, prefer=prefer, npu=npu, cancel=cancel)
 
 
 def _check(cancel: threading.Event) -> None:

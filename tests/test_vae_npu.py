@@ -2,6 +2,7 @@
 (bit-identical to the untiled up path), the layouts' folder, the lifecycle through the runtime backends
 (onnx, the simulated board, RKNN-Lite's call contract), cancel, the board gate, and `generate --decoder npu`."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -21,8 +22,8 @@ from anima_ui.runtime.backends import OnnxBackend
 from anima_ui.runtime.sim import SimulatedBoard
 from anima_ui.runtime.manifest import GraphEntry, TensorSpec
 from anima_ui.vae.graphs import build_decoder_graph
-from anima_ui.vae.npu_decoder import check_npu_decoder, decode_npu, graphs_folder
-from anima_ui.vae.npu_graphs import CHECK_IMAGES, CHECK_LATENT, LAYOUTS, VaeGraphs, build_vae_graphs
+from anima_ui.vae.npu_decoder import check_npu_decoder, decode_npu, graphs_folder, pick_layout
+from anima_ui.vae.npu_graphs import CHECK_IMAGES, CHECK_LATENT, LAYOUTS, VaeGraphs, build_vae_graphs, convert_layouts
 from anima_ui.vae.onnx_decoder import OnnxDecoder, ort_session
 from anima_ui.vae.tiling import HALO, assemble, cut_windows, halo_plan
 from anima_ui.vae.weights import load_decoder_weights
@@ -385,6 +386,55 @@ def test_generate_with_the_npu_decoder_on_the_simulated_board(tiny_model, tmp_pa
     assert VaeGraphs.read(graphs_folder(vae, "onnx", 64, 96)).width == 64  # built on first use, next to the VAE
     expected = OnnxDecoder(vae, threads=1).decode(np.load(tmp_path / "z.npy"))
     assert np.abs(np.asarray(image).astype(int) - expected).max() <= 1
+
+
+def test_generate_runs_the_only_layout_the_folder_has(tiny_model, tmp_path, capsys):
+    """A folder prepared on an 8 GB board holds only the halo layout: the NPU decoder runs that one and says so."""
+    tiny = tmp_path / "tiny"
+    shutil.copytree(tiny_model, tiny)
+    vae = tiny / "vae" / "qwen_image_vae.safetensors"
+    build_vae_graphs(vae, 64, 96, graphs_folder(vae, "onnx", 64, 96), layouts=["halo"])
+    argv = ["generate", "--models", str(tiny), "--prompt", "a lighthouse", "--seed", "2", "--steps", "2",
+            "--width", "64", "--height", "96", "--backend", "sim", "--time-scale", "0.001", "--decoder", "npu",
+            "--out", str(tmp_path / "out.png"), "--save-latent", str(tmp_path / "z.npy")]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["decoder"] == "npu" and summary["decoder_layout"] == "halo" and summary["warning"] is None
+    image = Image.open(tmp_path / "out.png")
+    assert "VAE decoder: npu (halo)," in image.text["parameters"]
+    assert list(VaeGraphs.read(graphs_folder(vae, "onnx", 64, 96)).layouts) == ["halo"]  # not rebuilt with the others
+    expected = OnnxDecoder(vae, threads=1).decode(np.load(tmp_path / "z.npy"))
+    assert np.abs(np.asarray(image).astype(int) - expected).max() <= 1
+
+
+def test_the_decoder_picks_the_default_layout_else_by_preference(folder):
+    graphs = VaeGraphs.read(folder)
+    with_layouts = lambda *names: dataclasses.replace(graphs, layouts={n: graphs.layouts[n] for n in names})
+    assert pick_layout(with_layouts("halo", "halo-batch", "untiled")) == "untiled"
+    assert pick_layout(with_layouts("halo", "halo-batch")) == "halo-batch"
+    assert pick_layout(with_layouts("halo")) == "halo"
+
+
+# ---------------------------------------------------------------- which layouts prepare converts
+
+GIB = 2**30
+
+
+def test_prepare_converts_the_layouts_that_fit_in_memory():
+    # an 8 GB board (7.75 GiB MemTotal) with the OS beside it: 7.1 GiB available, 5.6 GiB after the floor
+    layouts, line = convert_layouts(512, 512, int(7.1 * GIB))
+    assert layouts == ["halo"]
+    assert line.startswith("decoder: skipping the untiled (~6.0 GiB), halo-batch (~10.5 GiB) layouts:")
+    assert "5.6 GiB available" in line and "--decoder-layouts" in line and "on a PC" in line
+    assert convert_layouts(512, 512, 14 * GIB) == (list(LAYOUTS), None)  # a 16 GB PC keeps every layout
+    assert convert_layouts(256, 256, int(7.1 * GIB)) == (list(LAYOUTS), None)  # a quarter of the pixels: 2.6 GiB at most
+    assert convert_layouts(1024, 1024, int(7.1 * GIB))[0] == []  # halo alone would need ~19 GiB
+
+
+def test_decoder_layouts_flag_overrides_the_memory_check():
+    assert convert_layouts(512, 512, 2 * GIB, ["halo-batch", "untiled"]) == (["halo-batch", "untiled"], None)
+    with pytest.raises(UserError, match="unknown NPU decoder layout"):
+        convert_layouts(512, 512, 2 * GIB, ["tiles"])
 
 
 # ---------------------------------------------------------------- anima-ui tune's decoder timing

@@ -39,7 +39,7 @@ from anima_ui.runtime.manifest import Manifest
 from anima_ui.runtime.profile import write_profile
 from anima_ui.runtime.variants import VARIANTS
 from anima_ui.vae.decode import DECODERS, decode_latent
-from anima_ui.vae.npu_decoder import DEFAULT_LAYOUT, check_npu_decoder, estimated_board_seconds, graphs_folder
+from anima_ui.vae.npu_decoder import check_npu_decoder, estimated_board_seconds, graphs_folder, pick_layout
 from anima_ui.vae.npu_graphs import VaeGraphs
 
 DECODER_MIN_PSNR = 40.0  # sd.cpp tiled and the own tiled decoder agree to >= 45 dB (same tile plan and blending)
@@ -186,7 +186,7 @@ def time_decoders(vae_path, width: int, height: int, progress, npu: dict) -> dic
             entry = {"seconds": round(seconds, 3)}
             if name == "npu" and npu["backend"] == "sim":
                 graphs = VaeGraphs.read(graphs_folder(vae_path, "onnx", width, height))  # built by the decode above
-                entry = {"board_seconds": round(estimated_board_seconds(graphs, DEFAULT_LAYOUT), 3),
+                entry = {"board_seconds": round(estimated_board_seconds(graphs, pick_layout(graphs)), 3),
                          "not_chosen": "the simulated board's estimate; this PC's decoders are timed for real (tune on "
                                        "the board compares them)"}
                 not_comparable.add(name)
@@ -214,9 +214,10 @@ def npu_gate(vae_path, width: int, height: int, npu: dict) -> None:
     folder = graphs_folder(vae_path, "rknn", width, height)
     if not (folder / "manifest.json").is_file():
         raise RuntimeError(f"no converted NPU decoder graphs in {folder}")
-    result = check_npu_decoder(folder, "rknn", layouts=[DEFAULT_LAYOUT], core_mask=npu["core_mask"])[DEFAULT_LAYOUT]
+    layout = pick_layout(VaeGraphs.read(folder))
+    result = check_npu_decoder(folder, "rknn", layouts=[layout], core_mask=npu["core_mask"])[layout]
     if not result["ok"]:
-        raise RuntimeError(f"failed its gate: {DEFAULT_LAYOUT} layout {result['psnr']} dB against the fp32 image, "
+        raise RuntimeError(f"failed its gate: {layout} layout {result['psnr']} dB against the fp32 image, "
                            f"{result['nonfinite']} NaN/Inf")
 
 

@@ -23,21 +23,25 @@ from anima_ui.errors import UserError
 from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.quant.install import REPORT, install_quantized_ffns
-from anima_ui.runtime.memory import peak_rss_bytes, reset_peak_rss
+from anima_ui.runtime.memory import peak_rss_bytes, read_meminfo, reset_peak_rss
 from anima_ui.runtime.quantized_ffn import quantized_blocks
 from anima_ui.vae.npu_decoder import graphs_folder
-from anima_ui.vae.npu_graphs import build_vae_graphs, convert_vae_graphs
+from anima_ui.vae.npu_graphs import build_vae_graphs, convert_layouts, convert_vae_graphs
 
 PREPARE_FFNS = ("fp16", "w8a8-lowrank")
 
 
 def prepare(models_dir, width: int = 512, height: int = 512, target: str = "rk3588", mirror: str | None = None,
-            python=VENV_PYTHON, jobs: int = 1, out=sys.stderr, decoder: bool = True, ffn: str = "fp16") -> dict:
+            python=VENV_PYTHON, jobs: int = 1, out=sys.stderr, decoder: bool = True, ffn: str = "fp16",
+            decoder_layouts: list[str] | None = None) -> dict:
     """Run every phase, printing progress to `out`; returns {"rknn": folder, "decoder": folder or None,
-    "peaks": {phase: peak RSS MiB}}. decoder=False leaves out the NPU decoder's graphs. ffn "w8a8-lowrank": then
-    also the quantized FFNs (see quantize_ffns)."""
+    "peaks": {phase: peak RSS MiB}}. decoder=False leaves out the NPU decoder's graphs; decoder_layouts names
+    the layouts to convert (default: those whose conversion fits in this machine's memory, convert_layouts).
+    ffn "w8a8-lowrank": then also the quantized FFNs (see quantize_ffns)."""
     if ffn not in PREPARE_FFNS:
         raise UserError(f"--ffn {ffn!r}: choose one of {', '.join(PREPARE_FFNS)}")
+    # read before anything of ours takes memory; checked before the download so that a bad flag fails at once
+    layouts, skipped = convert_layouts(width, height, read_meminfo()["MemAvailable"], decoder_layouts)
     info = toolkit_info(python)  # before a 6 GB download: is there a conversion environment at all?
     report = lambda line: print(line, file=out, flush=True)
     report(f"conversion environment: rknn-toolkit2 {info['rknn-toolkit2']}, Python {info['python']}, "
@@ -68,7 +72,12 @@ def prepare(models_dir, width: int = 512, height: int = 512, target: str = "rk35
 
     if ffn == "w8a8-lowrank":
         quantize_ffns(paths, width, height, converted, report)
-    decoder_dir = _prepare_decoder(paths, width, height, target, python, peaks, out, report) if decoder else None
+    decoder_dir = None
+    if decoder:
+        if skipped:
+            report(skipped)
+        if layouts:
+            decoder_dir = _prepare_decoder(paths, width, height, layouts, target, python, peaks, out, report)
 
     board = platform.machine() == "aarch64"
     report(f"ready: {converted}" + (f" and {decoder_dir} (try it: anima-ui verify --models {models_dir} --backend rknn "
@@ -79,13 +88,13 @@ def prepare(models_dir, width: int = 512, height: int = 512, target: str = "rk35
     return {"rknn": converted, "decoder": decoder_dir, "peaks": peaks}
 
 
-def _prepare_decoder(paths, width: int, height: int, target: str, python, peaks: dict, out, report):
-    """The NPU decoder's ONNX graphs, then their conversion, one graph at a time: at 512x512 a graph's simulator
-    check peaks at 6 GB (untiled) to 10.5 GB (the batch of tiles)."""
+def _prepare_decoder(paths, width: int, height: int, layouts: list[str], target: str, python, peaks: dict, out, report):
+    """The NPU decoder's ONNX graphs of `layouts`, then their conversion, one graph at a time (a graph's simulator
+    check peaks at up to 10.5 GiB at 512x512: npu_graphs.CONVERT_PEAK_GIB_512)."""
     reset_peak_rss()
     onnx_dir = graphs_folder(paths.vae, "onnx", width, height)
     bar = ProgressBar("decoder export", out)
-    build_vae_graphs(paths.vae, width, height, onnx_dir, progress=bar.update)
+    build_vae_graphs(paths.vae, width, height, onnx_dir, layouts, progress=bar.update)
     report(f"decoder export: {bar.summary()}")
     rknn_dir = graphs_folder(paths.vae, "rknn", width, height)
     bar = ProgressBar("decoder convert", out)

@@ -21,13 +21,30 @@ from anima_ui.vae.tiling import assemble, cut_windows
 
 # the fewest FLOPs: 1100 GFLOP at 512x512 against 1950 for the 1x3 halo layouts; `tune` may choose another
 DEFAULT_LAYOUT = "untiled"
+# when a folder lacks the default (prepare skips the layouts whose conversion does not fit in memory): one
+# graph before one batch call before a graph per tile
+LAYOUT_PREFERENCE = ("untiled", "halo-batch", "halo")
 MIN_BOARD_PSNR = 50.0  # dB: the board's gate against the fp32 decode of the same layout
 
 
-def decode_npu(latent, graphs_dir, backend: Backend | str = "onnx", layout: str = DEFAULT_LAYOUT,
+def pick_layout(graphs: VaeGraphs) -> str:
+    """The layout the NPU decoder runs from this folder: DEFAULT_LAYOUT when it has it, else its first layout in
+    LAYOUT_PREFERENCE order."""
+    return next(layout for layout in (DEFAULT_LAYOUT, *LAYOUT_PREFERENCE) if layout in graphs.layouts)
+
+
+def model_layout(vae_path, backend: str, width: int, height: int) -> str:
+    """pick_layout of the folder a model's NPU decoder runs on this backend (onnx, sim: the ONNX graphs; rknn: the
+    converted ones) for this size; DEFAULT_LAYOUT while it has none (ONNX graphs are built with every layout on
+    first use)."""
+    folder = graphs_folder(vae_path, "rknn" if backend == "rknn" else "onnx", width, height)
+    return pick_layout(VaeGraphs.read(folder)) if (folder / MANIFEST).is_file() else DEFAULT_LAYOUT
+
+
+def decode_npu(latent, graphs_dir, backend: Backend | str = "onnx", layout: str | None = None,
                cancel: threading.Event | None = None, core_mask: str = "auto", **backend_options) -> tuple[np.ndarray, dict]:
-    """Model-space latent [1,16,h,w] -> (uint8 RGB [8h,8w,3], seconds per phase). core_mask: the NPU cores of
-    each context; `backend_options` go to make_backend when `backend` is a name (time_scale, threads)."""
+    """Model-space latent [1,16,h,w] -> (uint8 RGB [8h,8w,3], seconds per phase). layout: None picks the
+    folder's (pick_layout). core_mask: the NPU cores of each context; `backend_options` go to make_backend when `backend` is a name (time_scale, threads)."""
     graphs = VaeGraphs.read(graphs_dir)
     if isinstance(backend, str):
         backend = make_backend(backend, **backend_options)
@@ -39,7 +56,7 @@ def decode_npu(latent, graphs_dir, backend: Backend | str = "onnx", layout: str 
         raise UserError(f"the NPU decoder graphs in {graphs_dir} are for {graphs.width}x{graphs.height}, the image is "
                         f"{latent.shape[3] * SCALE}x{latent.shape[2] * SCALE}; build them for this size")
     seconds = dict.fromkeys(("load", "init", "inference", "release"), 0.0)
-    image = run_layout(latent, graphs, Path(graphs_dir), backend, layout, cancel, seconds, core_mask)
+    image = run_layout(latent, graphs, Path(graphs_dir), backend, layout or pick_layout(graphs), cancel, seconds, core_mask)
     return to_uint8(image[0].transpose(1, 2, 0)), seconds
 
 
@@ -156,10 +173,10 @@ def graphs_folder(vae_path, graph_format: str, width: int, height: int) -> Path:
     return Path(vae_path).parent / "npu" / graph_format / f"{width}x{height}"
 
 
-def decode_for_model(latent, vae_path, backend: str = "onnx", layout: str = DEFAULT_LAYOUT, cancel=None,
+def decode_for_model(latent, vae_path, backend: str = "onnx", layout: str | None = None, cancel=None,
                      core_mask: str = "auto", **backend_options) -> np.ndarray:
     """decode_npu with the model's own graphs folder: the ONNX graphs (onnx, sim) are built on first use,
-    the RKNN ones must have been converted."""
+    the RKNN ones must have been converted. layout: None picks the folder's (pick_layout)."""
     _, _, h, w = np.shape(latent)
     backend = make_backend(backend, **backend_options)
     folder = graphs_folder(vae_path, backend.graph_format, w * SCALE, h * SCALE)

@@ -48,6 +48,12 @@ DEFAULT_GRID = (1, 3)
 CHECK_LATENT, CHECK_IMAGES = "check_latent.npy", "check_images.npz"
 MIN_SIM_PSNR = 60.0  # dB in [0,1] pixels, simulator (FP16) against onnxruntime fp32
 GRAPHS_VERSION = 1  # bump when build_decoder_graph's output changes: kept graphs are then rebuilt
+# Peak RSS (GiB) of one layout's conversion + simulator check, measured at 512x512 on full-size random weights
+# (`anima-ui bench vae --sizes 512 --decoders --simulator`): untiled 6.0, halo 4.8 (its up-tile graph; the
+# trunk 0.77), halo-batch 10.5. Assumed: the peak scales with the output's pixel count (the activations dominate;
+# the decoder's weights are a few hundred MB), so at other sizes it is scaled by W*H / 512^2.
+CONVERT_PEAK_GIB_512 = {"untiled": 6.0, "halo": 4.8, "halo-batch": 10.5}
+CONVERT_FLOOR_GIB = 1.5  # left to the OS and the prepare process itself beside one conversion worker
 
 
 @dataclass
@@ -91,6 +97,28 @@ class VaeGraphs:
                 if not Path(folder, file).is_file():
                     raise UserError(f"{file} listed in {path} is missing; build the NPU decoder graphs again")
         return manifest
+
+
+def convert_layouts(width: int, height: int, available_bytes: int, chosen: list[str] | None = None) -> tuple[list[str], str | None]:
+    """The layouts `prepare` converts: `chosen` (--decoder-layouts) as given, else those whose estimated
+    conversion peak fits in `available_bytes` (MemAvailable at start) minus CONVERT_FLOOR_GIB. Returns (layouts,
+    the line that says which were skipped and why, or None)."""
+    if chosen is not None:
+        unknown = [layout for layout in chosen if layout not in LAYOUTS]
+        if unknown or not chosen:
+            raise UserError(f"unknown NPU decoder layout {unknown or chosen}: choose from {', '.join(LAYOUTS)}")
+        return list(dict.fromkeys(chosen)), None
+    budget = available_bytes / 2**30 - CONVERT_FLOOR_GIB
+    estimate = {layout: peak * width * height / 512**2 for layout, peak in CONVERT_PEAK_GIB_512.items()}
+    kept = [layout for layout in LAYOUTS if estimate[layout] <= budget]
+    skipped = [layout for layout in LAYOUTS if layout not in kept]
+    if not skipped:
+        return kept, None
+    line = (f"decoder: skipping the {', '.join(f'{layout} (~{estimate[layout]:.1f} GiB)' for layout in skipped)} "
+            f"layout{'s' if len(skipped) > 1 else ''}: the conversion would peak above the {budget:.1f} GiB available "
+            f"(MemAvailable {available_bytes / 2**30:.1f} GiB minus a {CONVERT_FLOOR_GIB:g} GiB floor); "
+            f"--decoder-layouts {','.join(LAYOUTS)} forces them, or convert on a PC with more memory")
+    return kept, line
 
 
 # ---------------------------------------------------------------- ONNX
