@@ -8,7 +8,7 @@
     times slower a Cortex-A76 core is than a core here). CPU seconds, not wall time, because a machine shared
     with other work stretches wall time.
 
-Run at full size under `flock /work/fullsize.lock` (about 25 min with --blocks 2 on 2 cores)."""
+Run at full size alone (one full-size run at a time, e.g. under `flock`; about 25 min with --blocks 2 on 2 cores)."""
 
 import dataclasses
 import json

@@ -12,7 +12,7 @@ Part 2 (--fullsize MODELS): one block's FFN of a full-size model (2048 -> 8192 -
 with synthetic outlier inputs (a random model has none), transformed at rank 32 and built three ways with
 rknn-toolkit2 (FP16, the toolkit's W8A8, hybrid W8A8 + low-rank): build time, .rknn size, the compiler's
 modelled cycles, simulator seconds, error against float32, and the emulator against the simulator.
-Run it alone (`flock /work/fullsize.lock ...` on a shared machine): it needs about 3 GB and a few minutes."""
+Run it alone on a shared machine (one full-size run at a time, e.g. under `flock`): it needs about 3 GB and a few minutes."""
 
 import tempfile
 import time
