@@ -47,6 +47,7 @@ def test_tune_writes_a_profile_with_every_kind_and_variant(tuned):
     assert decoders["onnx"]["seconds"] > 0 and data["decoder"]["chosen"] == "onnx"
     # the NPU decoder on the sim: the board's estimate, shown but not compared with this PC's real timings
     assert decoders["npu"]["board_seconds"] > 0 and "seconds" not in decoders["npu"]
+    assert decoders["npu"]["psnr_vs_onnx"] == "identical"  # the same fp32 graphs: strict JSON has no Infinity
     assert read_profile(graphs).backend == "sim"
     found = find_profiles(tuned, "sim")  # what serve prints at start
     assert [p.path for p in found] == [graphs / PROFILE] and found[0].summary().startswith("64x64: ")

@@ -17,6 +17,7 @@ sd.cpp stays the default when there is no profile. On the sim backend the NPU de
 time, which this PC's decoders cannot be compared with: it is measured and shown, not chosen."""
 
 import importlib.metadata
+import math
 import shutil
 import sys
 import tempfile
@@ -193,9 +194,11 @@ def time_decoders(vae_path, width: int, height: int, progress, npu: dict) -> dic
             if reference is None:
                 reference = (name, pixels)
             else:
-                entry[f"psnr_vs_{reference[0]}"] = round(psnr(pixels, reference[1]), 2)
-                if entry[f"psnr_vs_{reference[0]}"] < DECODER_MIN_PSNR:
-                    raise RuntimeError(f"disagrees with {reference[0]}: PSNR {entry[f'psnr_vs_{reference[0]}']} dB < {DECODER_MIN_PSNR}")
+                quality = psnr(pixels, reference[1])
+                if quality < DECODER_MIN_PSNR:
+                    raise RuntimeError(f"disagrees with {reference[0]}: PSNR {quality:.2f} dB < {DECODER_MIN_PSNR}")
+                # identical images give an infinite PSNR, which strict JSON cannot hold
+                entry[f"psnr_vs_{reference[0]}"] = round(quality, 2) if math.isfinite(quality) else "identical"
             measured[name] = entry
         except Exception as exc:
             measured[name] = {"dropped": f"{type(exc).__name__}: {exc}"}

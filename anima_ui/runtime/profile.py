@@ -87,6 +87,6 @@ def find_profiles(models_dir, backend: str) -> list[Profile]:
 def write_profile(folder, data: dict) -> Path:
     """Atomically: a reader sees the old profile, none, or the whole new one."""
     path = Path(folder, PROFILE)
-    text = json.dumps({"format": FORMAT, **data}, indent=1) + "\n"
+    text = json.dumps({"format": FORMAT, **data}, indent=1, allow_nan=False) + "\n"  # strict JSON: no Infinity/NaN
     write_atomically(path, lambda f: f.write(text.encode()))
     return path
