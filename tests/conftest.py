@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from anima_ui.fixtures.model import write_random_model
 from anima_ui.fixtures.weights import random_dit_state
 from anima_ui.model.config import AnimaConfig
+from helpers import CHROMIUM
 
 
 @pytest.fixture(scope="session")
@@ -94,3 +95,15 @@ sys.exit(main(sys.argv[1:]))
 def anima_ui_without_torch() -> list[str]:
     """The command prefix that runs `anima-ui` in a process where torch cannot be imported."""
     return [sys.executable, "-c", _NO_TORCH]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium through Playwright, for the browser and hostile-input tests."""
+    playwright_api = pytest.importorskip("playwright.sync_api")  # optional: the browser tests' own dependency
+    if CHROMIUM is None:
+        pytest.fail("chromium is not installed: apt-get install chromium (scripts/setup.sh does)")
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield browser
+        browser.close()

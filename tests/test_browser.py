@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from anima_ui.jobs import QueueLimits
-from helpers import CHROMIUM, GRADIO_PANDAS_NOISE, occupy_worker, start_app
+from helpers import GRADIO_PANDAS_NOISE, occupy_worker, start_app
 
 pytestmark = [pytest.mark.browser, *GRADIO_PANDAS_NOISE]
-playwright_api = pytest.importorskip("playwright.sync_api")
+pytest.importorskip("playwright.sync_api")
 
 ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
 PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 2, "is_mobile": True, "has_touch": True}
@@ -39,16 +39,6 @@ def served(tiny_model, outputs, tmp_path_factory):
                          queue_limits=QueueLimits.for_backend("torch", max_jobs_per_client=None))
     yield app, url
     app.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if CHROMIUM is None:
-        pytest.fail("chromium is not installed: apt-get install chromium (scripts/setup.sh does)")
-    with playwright_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
-        yield browser
-        browser.close()
 
 
 def open_page(browser, url, device):

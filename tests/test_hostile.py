@@ -30,7 +30,7 @@ from anima_ui.request import GenerationRequest
 from anima_ui.sampling.spectrum import DEFAULT_FORECASTER
 from anima_ui.text.qwen3 import Qwen3
 from anima_ui.vae.onnx_decoder import OnnxDecoder
-from helpers import CHROMIUM, GRADIO_PANDAS_NOISE, start_app, wait
+from helpers import GRADIO_PANDAS_NOISE, start_app, wait
 
 pytestmark = GRADIO_PANDAS_NOISE
 PRESETS = Path(__file__).parent.parent / "presets"
@@ -92,17 +92,6 @@ async def cancel_all(device: Device, session) -> None:
 
 
 # -- row 4: nothing user-written is rendered as HTML or Markdown -----------------------------------------------------
-@pytest.fixture(scope="module")
-def browser():
-    playwright_api = pytest.importorskip("playwright.sync_api")  # optional: the browser tests' own dependency
-    if CHROMIUM is None:
-        pytest.fail("chromium is not installed: apt-get install chromium (scripts/setup.sh does)")
-    with playwright_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
-        yield browser
-        browser.close()
-
-
 INJECTED = '<img id="injected" src="/favicon.ico" width="1200"> **loud** [a link](http://example.com) $$x^2$$'
 
 

@@ -9,16 +9,14 @@ from anima_ui.metrics import psnr
 from anima_ui.vae.decode import decode_latent
 from anima_ui.vae.onnx_decoder import OnnxDecoder
 from anima_ui.vae.wan_decoder import load_vae_decoder
-from vae_helpers import random_latent, write_vae_file
+from vae_helpers import random_latent, small_vae_file, write_vae_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def small_vae(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vae") / "qwen_image_vae.safetensors"
-    write_vae_file(path, 16)
-    return path
+    return small_vae_file(tmp_path_factory)[0]
 
 
 @pytest.mark.parametrize("library", ["absent", "garbage"])

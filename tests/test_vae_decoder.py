@@ -10,17 +10,16 @@ from anima_ui.metrics import psnr
 from anima_ui.vae.tiling import decode_tiled, tile_axis
 from anima_ui.vae.wan_decoder import load_vae_decoder
 from anima_ui.vae.weights import vae_param_shapes
-from vae_helpers import diffusers_decode, random_latent, write_vae_file
+from vae_helpers import SMALL_VAE_DIM, diffusers_decode, random_latent, small_vae_file, write_vae_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-BASE_DIM = 16
+BASE_DIM = SMALL_VAE_DIM
 
 
 @pytest.fixture(scope="module")
 def small_vae(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vae") / "qwen_image_vae.safetensors"
-    return path, write_vae_file(path, BASE_DIM)
+    return small_vae_file(tmp_path_factory)
 
 
 def test_key_layout_matches_the_release_file():

@@ -27,16 +27,14 @@ from anima_ui.vae.npu_graphs import CHECK_IMAGES, CHECK_LATENT, LAYOUTS, VaeGrap
 from anima_ui.vae.onnx_decoder import OnnxDecoder, ort_session
 from anima_ui.vae.tiling import HALO, assemble, cut_windows, halo_plan
 from anima_ui.vae.weights import load_decoder_weights
-from vae_helpers import random_latent, write_vae_file
+from vae_helpers import random_latent, small_vae_file
 
 SIZE = 256  # px: a 32x32 latent, the smallest a 2x2 grid with a 13-px halo really tiles (windows 29x29)
 
 
 @pytest.fixture(scope="module")
 def small_vae(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vae") / "qwen_image_vae.safetensors"
-    write_vae_file(path, 16)
-    return path
+    return small_vae_file(tmp_path_factory)[0]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,15 @@ def write_vae_file(path, base_dim: int, seed: int = 0) -> dict[str, np.ndarray]:
     return {k: v.float().numpy() for k, v in state.items()}
 
 
+SMALL_VAE_DIM = 16  # base width of the random VAE the decoder tests share (the release file's is 96)
+
+
+def small_vae_file(tmp_path_factory) -> tuple:
+    """(path, bf16-rounded fp32 state) of a random small VAE in the release file's layout, for a module fixture."""
+    path = tmp_path_factory.mktemp("vae") / "qwen_image_vae.safetensors"
+    return path, write_vae_file(path, SMALL_VAE_DIM)
+
+
 def diffusers_decode(state: dict[str, np.ndarray], base_dim: int, latent: np.ndarray) -> np.ndarray:
     """diffusers' AutoencoderKLQwenImage on the same weights (keys mapped by diffusers' own Wan conversion):
     model-space latent [1,16,h,w] -> float image [H,W,3] in [0,1]."""
