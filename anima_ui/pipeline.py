@@ -27,7 +27,9 @@ from anima_ui.request import GenerationRequest
 from anima_ui.runtime import BACKENDS, Plan, open_runtime
 from anima_ui.runtime.graphs import graphs_dir, graphs_ready
 from anima_ui.runtime.host_weights import load_host_weights
+from anima_ui.runtime.manifest import Manifest
 from anima_ui.runtime.profile import read_profile
+from anima_ui.runtime.quantized_ffn import quantized_blocks
 from anima_ui.sampling.cfg import cfg_x0_predictor
 from anima_ui.sampling.euler import StepInfo, euler_steps
 from anima_ui.sampling.noise import initial_noise
@@ -94,12 +96,14 @@ class RuntimeChoice:
     source: str
     notes: list = field(default_factory=list)
     decoder: str | None = None  # the profile's faster correct final decoder at this size
+    ffn: str = "fp16"  # open_runtime's ffn: "fp16", "w8a8-lowrank", or "auto" (tune found the installed ones faster)
 
     def describe(self) -> str:
         return "runtime: " + self.summary()
 
     def summary(self) -> str:
-        return f"{self.plan.describe()} ({self.source})" + "".join(f"; {note}" for note in self.notes)
+        ffn = {"auto": "; quantized FFNs (the tune profile's)", "w8a8-lowrank": "; quantized FFNs (--ffn)"}.get(self.ffn, "")
+        return f"{self.plan.describe()} ({self.source}){ffn}" + "".join(f"; {note}" for note in self.notes)
 
 
 class Pipeline:
@@ -240,7 +244,7 @@ class Pipeline:
 
             return TorchRuntime(self.weights, self.config, cancel)
         options = {k: v for k, v in self.runtime_options.items() if k in OPEN_OPTIONS}
-        return open_runtime(self.backend, graphs, choice.plan, cancel=cancel, **options)
+        return open_runtime(self.backend, graphs, choice.plan, cancel=cancel, **{**options, "ffn": choice.ffn})
 
     def runtime_choice(self, width: int, height: int) -> RuntimeChoice | None:
         """The plan the branch graphs run with at width x height (None for the torch backend): the variants the
@@ -258,16 +262,37 @@ class Pipeline:
             if profile is not None and profile.backend != self.backend:
                 notes.append(f"the tune profile {profile.path} was measured on the {profile.backend} backend, not used")
                 profile = None
+        ffn, ffn_notes = self._ffn_choice(profile, folder(width, height))
         if options.get("variants"):
             if profile is not None:
                 notes.append(f"the tune profile {profile.path} is not used: the flags chose the variants")
-            return RuntimeChoice(Plan(dict(options["variants"]), **plan_options), "chosen by flags", notes)
+            return RuntimeChoice(Plan(dict(options["variants"]), **plan_options), "chosen by flags", notes + ffn_notes, ffn=ffn)
         if profile is not None:
             # onnx and sim export a missing graph set in the export phase; the board needs it converted beforehand
             present = {1, 2} if self.backend != "rknn" else {b for b in (1, 2) if graphs_ready(folder(width, height, b))}
             plan, missing = profile.plan(present, **plan_options)
-            return RuntimeChoice(plan, f"from the tune profile {profile.path}, {profile.created}", notes + missing, profile.decoder)
-        return RuntimeChoice(Plan.uniform("prefetch", **plan_options), "the default; `anima-ui tune` measures the fastest", notes)
+            return RuntimeChoice(plan, f"from the tune profile {profile.path}, {profile.created}", notes + missing + ffn_notes,
+                                 profile.decoder, ffn)
+        return RuntimeChoice(Plan.uniform("prefetch", **plan_options), "the default; `anima-ui tune` measures the fastest",
+                             notes + ffn_notes, ffn=ffn)
+
+    def _ffn_choice(self, profile, folder) -> tuple[str, list[str]]:
+        """Which FFNs run: --ffn fp16 or w8a8-lowrank as given; under auto the quantized ones (where installed)
+        only when the tune profile timed them faster than FP16 and they passed its checks, else FP16."""
+        asked = self.runtime_options.get("ffn", "auto")
+        if asked != "auto":
+            return asked, []
+        verdict = profile.ffn if profile is not None else None
+        if verdict == "w8a8-lowrank":
+            return "auto", []
+        installed = graphs_ready(folder) and quantized_blocks(Manifest.read(folder))
+        if not installed:
+            return "fp16", []
+        if verdict == "fp16":
+            why = profile.data["ffn"]["measured"]["w8a8-lowrank"].get("dropped") or "slower than FP16 there"
+            return "fp16", [f"FP16 FFNs: the tune profile found the installed quantized ones {why}"]
+        return "fp16", ["FP16 FFNs: quantized ones are installed but `anima-ui tune` has not timed them against FP16 "
+                        "(run it, or pass --ffn w8a8-lowrank)"]
 
     def _denoise(self, request, kv, rope, graphs, choice, cancel):
         """Generator: yields StepEvents, returns (final latent, the steps' records, which FFNs ran)."""

@@ -27,13 +27,15 @@ from anima_ui.quant.e2e import PROMPTS, end_to_end
 from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain
 from anima_ui.quant.install import install_quantized_ffns
 from anima_ui.request import GenerationRequest
-from anima_ui.runtime import open_runtime
+from anima_ui.model.config import BRANCH_KINDS
+from anima_ui.runtime import board_latency, open_runtime, tune
 from anima_ui.runtime.host_weights import load_host_weights
 from anima_ui.runtime.manifest import Manifest
 from anima_ui.runtime.quantized_ffn import quantized_blocks
 from anima_ui.runtime.variants import Plan
 from anima_ui.fixtures.outliers import write_outlier_model
 from anima_ui.text.encoder import TextEncoder
+from test_generate_cli import run_cli
 from anima_ui.vae.decode import decode_latent
 
 # One BLAS/torch thread per process: on a shared 2-core machine their default thread pools mostly wait on each other.
@@ -206,11 +208,89 @@ def test_installed_quantized_ffns_run_through_the_fold_and_are_recorded(quantize
             assert runtime.ffn == "w8a8-lowrank (blocks 0,1)"
             assert gate.rel_error(runtime.forward(weights, x, sigma, kv, rope), folded) < 1e-5, plan.variants
 
-    pipeline = Pipeline.load(models, backend="onnx")
     request = GenerationRequest(prompt="a red fox", width=64, height=64, steps=2, seed=3, decode=False)
-    summary = [e for e in pipeline.generate(request) if isinstance(e, ResultEvent)][0].summary
+    pipeline = Pipeline.load(models, backend="onnx")  # auto, no tune profile: nothing has timed them, FP16 runs
+    assert generated_summary(pipeline, request)["ffn"] == "fp16"
+    assert "`anima-ui tune` has not timed them" in pipeline.choice.summary()
+    summary = generated_summary(Pipeline.load(models, backend="onnx", ffn="w8a8-lowrank"), request)
     assert summary["ffn"] == "w8a8-lowrank (blocks 0,1)"
     assert parse_infotext(format_infotext(request, summary))[2]["FFN"] == "w8a8-lowrank (blocks 0,1)"
+
+
+def generated_summary(pipeline, request):
+    return [e for e in pipeline.generate(request) if isinstance(e, ResultEvent)][0].summary
+
+
+@pytest.fixture
+def installed(quantized, outlier_model, tmp_path):
+    """A copy of the outlier model whose exported 64x64 graphs have the quantized FFNs installed."""
+    models = tmp_path / "models"
+    shutil.copytree(outlier_model[0], models)
+    assert anima_ui("export", "--models", str(models), "--width", "64", "--height", "64").returncode == 0
+    install_quantized_ffns(models / "exported" / "64x64", models / "quant" / "64x64")
+    return models
+
+
+def tune_sim(models, *extra) -> dict:
+    """`anima-ui tune --backend sim` on two blocks, the batch-1 variants; the profile it wrote."""
+    argv = ["tune", "--models", str(models), "--width", "64", "--height", "64", "--backend", "sim", "--time-scale", "0.05",
+            "--rounds", "2", "--blocks", "2", "--variants", "serial,prefetch,two-chains", "--no-decoders", *extra]
+    assert run_cli(argv) == 0
+    return json.loads((models / "exported" / "64x64" / "tune.json").read_text())
+
+
+def test_tune_takes_quantized_ffns_only_when_faster_and_generate_follows(installed, monkeypatch):
+    """The simulated board times a quantized FFN at FP16's / QUANTIZED_FFN_SPEEDUP: made 4x faster, tune chooses them
+    (and a batch-1 variant for the FFN) and generate runs them; made 4x slower, tune keeps FP16 and so does generate."""
+    request = GenerationRequest(prompt="a red fox", width=64, height=64, steps=2, seed=3, decode=False)
+    monkeypatch.setattr(board_latency, "QUANTIZED_FFN_SPEEDUP", 4.0)
+    data = tune_sim(installed)
+    ffn = data["ffn"]
+    assert ffn["chosen"] == "w8a8-lowrank" and ffn["blocks"] == [0, 1]
+    assert ffn["measured"]["w8a8-lowrank"]["median_seconds"] < ffn["measured"]["fp16"]["median_seconds"]
+    assert data["choice"]["mlp"] == ffn["measured"]["w8a8-lowrank"]["variant"] in ("prefetch", "two-chains")
+    pipeline = Pipeline.load(installed, backend="sim", time_scale=0.001)
+    assert generated_summary(pipeline, request)["ffn"] == "w8a8-lowrank (blocks 0,1)"
+    assert "quantized FFNs (the tune profile's)" in pipeline.choice.summary()
+
+    monkeypatch.setattr(board_latency, "QUANTIZED_FFN_SPEEDUP", 0.25)
+    data = tune_sim(installed)
+    assert data["ffn"]["chosen"] == "fp16" and "dropped" not in data["ffn"]["measured"]["w8a8-lowrank"]
+    assert data["ffn"]["measured"]["w8a8-lowrank"]["median_seconds"] > data["ffn"]["measured"]["fp16"]["median_seconds"]
+    pipeline = Pipeline.load(installed, backend="sim", time_scale=0.001)
+    assert generated_summary(pipeline, request)["ffn"] == "fp16"
+    assert "the tune profile found the installed quantized ones slower than FP16" in pipeline.choice.summary()
+    # asked for by flag, they run whatever the profile says
+    assert generated_summary(Pipeline.load(installed, backend="sim", time_scale=0.001, ffn="w8a8-lowrank"), request)["ffn"] != "fp16"
+
+
+def test_tune_drops_quantized_ffns_that_disagree_or_fail_the_board_check(installed, monkeypatch):
+    monkeypatch.setattr(board_latency, "QUANTIZED_FFN_SPEEDUP", 4.0)
+    scale = installed / "exported" / "64x64" / "block01_mlp_w8a8.smooth_in.npy"
+    np.save(scale, np.load(scale)[::-1].copy())  # λ1 of the wrong channels: the graph gets the wrong input
+    data = tune_sim(installed)
+    assert data["ffn"]["chosen"] == "fp16"
+    assert data["ffn"]["measured"]["w8a8-lowrank"]["dropped"].startswith("block 1's quantized FFN is far from the FP16 one")
+
+    rows = [{"block": 0, "cosine": 0.42, "rel_error": 0.9, "nonfinite": 0, "passed": False}]
+    monkeypatch.setattr(tune, "board_check", lambda *args: rows)  # what a board computing block 0 wrongly reports
+    sets = {1: installed / "exported" / "64x64"}
+    reference, outcomes = tune.measure(lambda: "onnx", sets, ["prefetch"], blocks=2, rounds=1)
+    ffn = tune.measure_quantized_ffn(lambda: "onnx", sets, dict.fromkeys(BRANCH_KINDS, "prefetch"), outcomes, 2, 1,
+                                     reference, board_backend=object())
+    assert ffn.chosen == "fp16" and ffn.board_check == rows and ffn.seconds == []
+    assert ffn.dropped.startswith("block 0's quantized FFN on the NPU differs from the simulator: cosine 0.420000")
+
+
+def test_a_batch2_ffn_variant_with_quantized_ffns_names_the_variant(installed):
+    exported = installed / "exported"
+    assert anima_ui("export", "--models", str(installed), "--width", "64", "--height", "64", "--batch", "2").returncode == 0
+    graphs = {1: exported / "64x64", 2: exported / "64x64-b2"}
+    plan = Plan({"self_attn": "prefetch", "cross_attn": "prefetch", "mlp": "batch2"})
+    with pytest.raises(UserError, match="the FFN's variant batch2 runs batch-2 graphs, and the quantized FFNs are installed for batch-1"):
+        open_runtime("onnx", graphs, plan, ffn="w8a8-lowrank")
+    with open_runtime("onnx", graphs, plan) as runtime:  # auto: FP16 FFNs there
+        assert runtime.ffn == "fp16"
 
 
 def test_install_refuses_what_did_not_pass_or_another_checkpoint(quantized, outlier_model, tmp_path):

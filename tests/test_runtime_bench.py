@@ -79,3 +79,4 @@ def test_sim_table_prints_every_variant_under_each_contention_assumption(capsys)
     assert all(float(rows[name][1]) > 0 for name in VARIANTS)
     assert "blog (serial)" in out and "120.4" in out and "1512" in out
     assert sum(line.startswith("per-kind best") for line in out.splitlines()) == len(CONTENTION)
+    assert sum(line.startswith("+ W8A8 FFNs") for line in out.splitlines()) == len(CONTENTION)

@@ -41,6 +41,7 @@ from anima_ui.runtime import VARIANTS, Plan, board_latency, open_runtime
 from anima_ui.runtime.graphs import graphs_ready
 from anima_ui.runtime.host_weights import load_host_weights
 from anima_ui.runtime.manifest import Manifest, TensorSpec
+from anima_ui.runtime.quantized_ffn import KEY
 from anima_ui.runtime.memory import GIB, MIB, PAGE, process_memory, read_meminfo, read_vmstat
 from anima_ui.sampling.cfg import cfg_x0_predictor
 from anima_ui.sampling.euler import euler_steps
@@ -141,8 +142,10 @@ def simulated_board_table(time_scale: float, steps: int, contexts: int) -> None:
             export_graphs(checkpoint, SIM_COMPUTE_SIDE, SIM_COMPUTE_SIDE, folder, batch=batch)
         x, kv, rope = conditioning(cfg, weights, SIM_COMPUTE_SIDE, SIM_COMPUTE_SIDE)
 
-        def measure(plan, contention):
-            options = {"time_scale": time_scale, "resident": "all", "threads": 1, "contention": contention}
+        stand_in_quantized_ffns(graphs[0])
+
+        def measure(plan, contention, ffn="fp16"):
+            options = {"time_scale": time_scale, "resident": "all", "threads": 1, "contention": contention, "ffn": ffn}
             with open_runtime("sim", graphs, plan, **options) as runtime:
                 records = timed_steps(runtime, weights, x, kv, rope, steps)
             steady = records[1:] or records
@@ -162,6 +165,13 @@ def simulated_board_table(time_scale: float, steps: int, contexts: int) -> None:
             chosen = {kind: min(rows, key=lambda row: row[2].get(contention, row[2]["none"])[1][kind])[0] for kind in BRANCH_KINDS}
             mixed = Plan(chosen, contexts=contexts)
             best[contention] = (mixed, measure(mixed, contention))
+        # with W8A8 + low-rank FFNs in every block: the per-kind best with the FFN on its fastest batch-1 variant
+        quantized = {}
+        for contention, (mixed, _) in best.items():
+            batch1 = [row for row in rows if VARIANTS[row[0]].graph_batch == 1]
+            ffn_variant = min(batch1, key=lambda row: row[2].get(contention, row[2]["none"])[1]["mlp"])[0]
+            plan = Plan({**mixed.variants, "mlp": ffn_variant}, contexts=contexts)
+            quantized[contention] = (plan, measure(plan, contention, ffn="w8a8-lowrank"))
 
     def image_seconds(per_step):
         return board_latency.TEXT_SECONDS + computed * per_step + board_latency.DECODE_SECONDS
@@ -175,10 +185,11 @@ def simulated_board_table(time_scale: float, steps: int, contexts: int) -> None:
         t = results["none"][2]
         same = "" if len(results) > 1 else "  (one context at a time: contention does not apply)"
         print(f"{name:<14}{cells} {t['inference']:6.1f} {t['host']:6.1f} {t['lifecycle']:9.1f} {t['lifecycle_exposed']:7.1f}{same}")
-    for contention, (mixed, result) in best.items():
-        t = result[2]
-        print(f"{'per-kind best':<14} under {contention}: {result[0]:.1f} s/step, image {image_seconds(result[0]):.0f} s  "
-              f"[{mixed.describe()}]  NPU {t['inference']:.1f} host {t['host']:.1f} lifecycle {t['lifecycle']:.1f} exposed {t['lifecycle_exposed']:.1f}")
+    for label, chosen in (("per-kind best", best), ("+ W8A8 FFNs", quantized)):
+        for contention, (mixed, result) in chosen.items():
+            t = result[2]
+            print(f"{label:<14} under {contention}: {result[0]:.1f} s/step, image {image_seconds(result[0]):.0f} s  "
+                  f"[{mixed.describe()}]  NPU {t['inference']:.1f} host {t['host']:.1f} lifecycle {t['lifecycle']:.1f} exposed {t['lifecycle_exposed']:.1f}")
     print(f"    image = text encoding {board_latency.TEXT_SECONDS:.1f} s (estimate) + {computed} computed Spectrum steps of 20 x s/step "
           f"+ sd.cpp decode {board_latency.DECODE_SECONDS:.0f} s (blog); forecast steps cost ~0. Goal: <= 50 s/step, <= 480 s per image.")
     print("    NPU = inference seconds summed over cores (two chains: both); host, lifecycle (load+init+release), exposed "
@@ -188,7 +199,25 @@ def simulated_board_table(time_scale: float, steps: int, contexts: int) -> None:
           + f"; core_mask 0_1 / 0_1_2 speed up the conv share (self-attn {board_latency.CONV_SHARE['self_attn']:.2f}, "
           f"cross-attn {board_latency.CONV_SHARE['cross_attn']:.2f}, FFN 1.0) by {board_latency.TENSOR_PARALLEL_SPEEDUP[2]} / "
           f"{board_latency.TENSOR_PARALLEL_SPEEDUP[3]}; a batch-2 call does {board_latency.BATCH2_WORK:g}x the work; loads share one "
-          f"storage stream; host ops, init and release share {board_latency.HOST_CORES} host cores")
+          f"storage stream; host ops, init and release share {board_latency.HOST_CORES} host cores; a W8A8 + low-rank FFN "
+          f"takes the FP16 one's NPU time / {board_latency.QUANTIZED_FFN_SPEEDUP:.2f} and load x {board_latency.QUANTIZED_FFN_LOAD_SHARE:.2f} "
+          "(its timing only: the FP16 graphs compute the numbers; every block quantized, which only a real model's gates can say)")
+
+
+def stand_in_quantized_ffns(folder: Path) -> None:
+    """List each block's FP16 FFN graph as its own quantized graph with λ1 = 1 in `folder`'s manifest: the simulated
+    board then times the FFNs as quantized ones (board_latency.QUANTIZED_FFN_SPEEDUP) while computing the FP16
+    numbers. For the timing table only: real quantized graphs come from `anima-ui prepare --ffn w8a8-lowrank`."""
+    manifest = Manifest.read(folder)
+    graphs = []
+    for g in manifest.graphs:
+        if g.kind == "mlp":
+            scale = f"block{g.block:02d}_mlp.ones.npy"
+            np.save(folder / scale, np.ones(g.inputs[0].shape[-1], np.float32))
+            g = replace(g, extra={**g.extra, KEY: {"file": g.file, "sha256": g.sha256, "smooth_in": scale}})
+        graphs.append(g)
+    manifest.graphs = graphs
+    manifest.write(folder)
 
 
 # -- (b) this machine, full size --------------------------------------------------------------------------------------

@@ -74,7 +74,8 @@ def add_pipeline_arguments(parser):
                              "anima-ui bench vae compares them; default: the tune profile's choice, else sdcpp")
     parser.add_argument("--ffn", choices=FFN_CHOICES, default="auto",
                         help="FFN graphs: w8a8-lowrank (installed by `prepare --ffn w8a8-lowrank`), fp16, or auto (the "
-                             "quantized ones where the graphs folder has them)")
+                             "quantized ones where the tune profile timed them faster than FP16 and they passed its "
+                             "checks, else FP16)")
     add_runtime_arguments(parser)
 
 

@@ -36,6 +36,7 @@ from anima_ui.metrics import psnr
 from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.modelfiles import ModelPaths
 from anima_ui.runtime import tune
+from anima_ui.runtime.executor import make_backend as make_runtime_backend
 from anima_ui.runtime.manifest import Manifest
 from anima_ui.runtime.profile import write_profile
 from anima_ui.runtime.variants import VARIANTS
@@ -93,6 +94,14 @@ def run(args) -> int:
         reference, outcomes = tune.measure(make_backend, graphs, [v for v in variants if v not in twins], blocks, args.rounds,
                                            options=open_options(args), progress=progress, **plan_options)
         choice, check = choose_and_check(make_backend, graphs, outcomes, blocks, args.rounds, reference, plan_options, open_options(args))
+        ffn = tune.measure_quantized_ffn(make_backend, graphs, choice, outcomes, blocks, args.rounds, reference,
+                                         board_backend=make_runtime_backend("rknn") if args.backend == "rknn" else None,
+                                         options=open_options(args), **plan_options)
+        if ffn is not None:
+            progress(f"FFN: fp16 {ffn.fp16_seconds:.4f} s per visit ({ffn.fp16_variant}); quantized " + (
+                f"dropped: {ffn.dropped}" if ffn.dropped else f"{ffn.median:.4f} s ({ffn.variant})"))
+            if ffn.chosen == "w8a8-lowrank":
+                choice = {**choice, "mlp": ffn.variant}
     finally:
         if sample_dir is not None:
             shutil.rmtree(sample_dir, ignore_errors=True)
@@ -104,6 +113,7 @@ def run(args) -> int:
     npu = {"backend": args.backend, "time_scale": args.time_scale, "core_mask": args.core_mask}
     decoders = time_decoders(paths.vae, args.width, args.height, progress, npu) if not args.no_decoders else None
     data = profile_data(args, blocks, plan_options, choice, check, outcomes, graphs, full_batch2, batch2_source, decoders)
+    data["ffn"] = ffn_data(ffn)
     path = write_profile(graphs[1], data)
     print_report(data, path)
     return 0
@@ -256,6 +266,22 @@ def profile_data(args, blocks, plan_options, choice, check, outcomes, graphs, fu
     }
 
 
+def ffn_data(ffn) -> dict | None:
+    """The FFN verdict: "fp16" or "w8a8-lowrank", what each measured (median wall seconds per FFN visit), the
+    board check's rows. None when the graphs have no quantized FFNs (`generate` then runs FP16 ones)."""
+    if ffn is None:
+        return None
+    quantized = {"variant": ffn.variant}
+    if ffn.dropped:
+        quantized["dropped"] = ffn.dropped
+    else:
+        quantized["median_seconds"] = round(ffn.median, 6)
+    return {"chosen": ffn.chosen, "blocks": ffn.blocks,
+            "measured": {"fp16": {"variant": ffn.fp16_variant, "median_seconds": round(ffn.fp16_seconds, 6)},
+                         "w8a8-lowrank": quantized},
+            **({"board_check": ffn.board_check} if ffn.board_check else {})}
+
+
 def _folder_for(graphs, batch, full_batch2):
     return graphs[1] if batch == 1 else full_batch2
 
@@ -287,6 +313,12 @@ def print_report(data: dict, path: Path) -> None:
         later = ("until then generate runs the fastest variant measured with the graphs present" if data["backend"] == "rknn"
                  else "generate exports them on first use")
         print(f"the choice needs batch-2 graphs for the whole model: {data['needs']} ({later})")
+    if data["ffn"]:
+        fp16, quantized = data["ffn"]["measured"]["fp16"], data["ffn"]["measured"]["w8a8-lowrank"]
+        print(f"FFN: {data['ffn']['chosen']}; fp16 {fp16['median_seconds']:.4f} s per visit ({fp16['variant']}), W8A8 + "
+              f"low-rank in blocks {','.join(map(str, data['ffn']['blocks']))} " + (
+                  f"dropped: {quantized['dropped']}" if "dropped" in quantized else
+                  f"{quantized['median_seconds']:.4f} s ({quantized['variant']})"))
     if data["decoder"]:
         print(f"final decoder at {data['decoder']['size']}: {data['decoder']['chosen']} "
               + "; ".join(f"{n} {_decoder_cell(m)}" for n, m in data["decoder"]["measured"].items()))

@@ -6,6 +6,7 @@ Every figure is the source blog's (docs/board_facts.md lists them); the per-mode
 below, nothing is tuned."""
 
 from anima_ui.model.config import BRANCH_KINDS
+from anima_ui.runtime.quantized_ffn import RUNS_QUANTIZED
 
 BLOCKS = 28
 
@@ -48,6 +49,14 @@ BATCH2_WORK = 2.0
 # ~260 MB/s): loads share one storage stream, two at once take twice as long each (no page-cache hits assumed).
 HOST_CORES = 4
 
+# A W8A8 + FP16 low-rank FFN graph (docs/quantized_ffn.md) in place of the FP16 one. The blog measured its plain
+# W8A8 FFNs (GELU and outputs FP16) at 1.90x the FP16 FFNs' NPU time (44.76 -> 23.57 s per step); the compiler's
+# cycle model puts the low-rank hybrid at 35.5 M cycles against plain W8A8's 33.6 M at full size (`anima-ui bench
+# quant --fullsize`), so it is assumed 1.90 x 33.6 / 35.5 = 1.80x faster than FP16. Its file is 36.0 of the FP16
+# graph's 68.2 MB, and loading reads it at the same rate; init and release are assumed unchanged.
+QUANTIZED_FFN_SPEEDUP = 1.90 * 33.6 / 35.5
+QUANTIZED_FFN_LOAD_SHARE = 36.0 / 68.2
+
 # The parts of a 20-step Spectrum image at 512x512 that are not the denoise.
 DECODE_SECONDS = 155.04  # the blog's stable-diffusion.cpp tiled decode on the board's CPU
 # Not a blog figure (the blog left prompt encoding out): the Qwen3-0.6B file (1.19 GB bf16) read at the blog's
@@ -78,7 +87,11 @@ def graph_phase_seconds(entry, cores: int = 1) -> dict[str, float]:
         inference = per_tile if batch == 1 else \
             -(-batch // VAE_CORES) * per_tile * VAE_CORES / VAE_CORES_SPEEDUP
         return {**phase_seconds("mlp"), "inference": inference}
-    return {**phase_seconds(entry.kind), "inference": inference_seconds(entry.kind, batch, cores)}
+    seconds = {**phase_seconds(entry.kind), "inference": inference_seconds(entry.kind, batch, cores)}
+    if entry.extra.get(RUNS_QUANTIZED):
+        seconds["inference"] /= QUANTIZED_FFN_SPEEDUP
+        seconds["load"] *= QUANTIZED_FFN_LOAD_SHARE
+    return seconds
 
 
 def phase_seconds(kind: str) -> dict[str, float]:

@@ -275,7 +275,7 @@ def open_runtime(backend, graphs, plan: Plan | None = None, *, prefetch: bool = 
         have = ", ".join(f"batch-{b} graphs in {folder}" for b, (folder, _) in graph_sets.items())
         raise UserError(f"the variant for {', '.join(kinds)} runs batch-{batch} graphs, and there are only {have}; "
                         f"export them with `anima-ui export --batch {batch}` or choose another --variant")
-    graph_sets, scales, described = quantized_ffn.swap_in(graph_sets, plan.variant("mlp").graph_batch, ffn)
+    graph_sets, scales, described = quantized_ffn.swap_in(graph_sets, plan.variant("mlp"), ffn)
     gate = MemoryGate(floor_gib=mem_floor_gib, swap_policy=swap_policy, wait_seconds=gate_wait_seconds)
     if isinstance(backend, str):
         files = [graph_sets[plan.variant(kind).graph_batch][0] / graph_sets[plan.variant(kind).graph_batch][1].graph(block, kind).file

@@ -32,12 +32,19 @@ class Profile:
     def decoder(self) -> str | None:
         return (self.data.get("decoder") or {}).get("chosen")
 
+    @property
+    def ffn(self) -> str | None:
+        """"w8a8-lowrank" when tune found the installed quantized FFNs faster and correct, "fp16" when not, None
+        when the graphs had none."""
+        return (self.data.get("ffn") or {}).get("chosen")
+
     def summary(self) -> str:
         """One line: the size, the choice per kind, the decoder, when and where it was measured."""
         names = set(self.data["choice"].values())
         chosen = names.pop() if len(names) == 1 else ", ".join(f"{k} {self.data['choice'][k]}" for k in BRANCH_KINDS)
         decoder = f", decoder {self.decoder}" if self.decoder else ""
-        return f"{self.data['width']}x{self.data['height']}: {chosen}{decoder} ({self.path}, {self.created})"
+        ffn = f", FFNs {self.ffn}" if self.ffn else ""
+        return f"{self.data['width']}x{self.data['height']}: {chosen}{ffn}{decoder} ({self.path}, {self.created})"
 
     def plan(self, graph_batches: set[int], **options) -> tuple[Plan, list[str]]:
         """The profile's plan with the graph sets present (`graph_batches`). A kind whose choice needs a missing

@@ -19,6 +19,7 @@ from anima_ui.runtime.graphs import ready_graph_folders
 from anima_ui.runtime.manifest import Manifest
 
 KEY = "w8a8_lowrank"
+RUNS_QUANTIZED = "runs_w8a8_lowrank"  # set in the extra of an entry swapped to its quantized graph (the sim times it so)
 FFN_CHOICES = ("auto", "fp16", "w8a8-lowrank")
 MIN_BOARD_COSINE = 0.9999  # the FP16 gate of verify and of the conversion's simulator check
 
@@ -52,20 +53,26 @@ def with_quantized_ffns(manifest: Manifest, folder) -> tuple[Manifest, dict[int,
             raise UserError(f"{folder} lists a quantized FFN for block {g.block} but {q['file']} or {q['smooth_in']} is "
                             "missing: run `anima-ui prepare --ffn w8a8-lowrank` again")
         scales[g.block] = np.load(path).astype(np.float32)
-        graphs.append(dataclasses.replace(g, file=q["file"], sha256=q["sha256"]))
+        graphs.append(dataclasses.replace(g, file=q["file"], sha256=q["sha256"], extra={**g.extra, RUNS_QUANTIZED: True}))
     return dataclasses.replace(manifest, graphs=graphs), scales
 
 
-def swap_in(graph_sets: dict, batch: int, ffn: str) -> tuple[dict, dict[int, np.ndarray], str]:
+def swap_in(graph_sets: dict, variant, ffn: str) -> tuple[dict, dict[int, np.ndarray], str]:
     """The runtime's graph sets ({graph batch: (folder, manifest)}) with the quantized FFN graphs swapped into the set
-    the FFN's variant runs (graph batch `batch`, where `prepare` installed them), λ1 per quantized block, and what the
-    PNG parameters say (see describe)."""
-    folder, manifest = graph_sets[batch]
+    the FFN's variant (`variant`, a runtime.variants.Variant) runs, λ1 per quantized block, and what the PNG
+    parameters say (see describe). `prepare` installs quantized graphs for batch-1 graphs only: a batch-2 FFN
+    variant runs FP16 FFNs under "auto", and "w8a8-lowrank" refuses it."""
+    folder, manifest = graph_sets[variant.graph_batch]
+    batch1 = graph_sets.get(1)
+    if ffn == "w8a8-lowrank" and variant.graph_batch != 1 and batch1 and quantized_blocks(batch1[1]) and not quantized_blocks(manifest):
+        raise UserError(f"the FFN's variant {variant.name} runs batch-{variant.graph_batch} graphs, and the quantized FFNs "
+                        f"are installed for batch-1 graphs only: give the FFN a batch-1 variant (e.g. --variant "
+                        f"mlp=two-chains) or use --ffn fp16")
     described = describe(manifest, ffn)
     if resolve_ffn(ffn, manifest) == "fp16":
         return graph_sets, {}, described
     manifest, scales = with_quantized_ffns(manifest, folder)
-    return {**graph_sets, batch: (folder, manifest)}, scales, described
+    return {**graph_sets, variant.graph_batch: (folder, manifest)}, scales, described
 
 
 def board_check(folder, manifest: Manifest, backend, core_mask: str = "auto") -> list[dict]:

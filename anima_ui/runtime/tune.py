@@ -16,10 +16,15 @@ from anima_ui.errors import Cancelled, UserError
 from anima_ui.model.config import BRANCH_KINDS
 from anima_ui.runtime.executor import open_runtime, read_graph_sets
 from anima_ui.runtime.manifest import Manifest
+from anima_ui.runtime.quantized_ffn import board_check, quantized_blocks, with_quantized_ffns
 from anima_ui.runtime.variants import VARIANTS, Plan
 
 MIN_COSINE = 0.99999
 MAX_NORM_RATIO_ERROR = 1e-3  # cosine cannot see a wrong scale; FP16 graphs keep the norm far closer than this
+# A quantized FFN against the FP16 one on the sample's inputs: their quality gates ran at `prepare`, on real
+# activations; here random inputs only catch a wrong graph, block or λ1, which lands far below this.
+QUANTIZED_MIN_COSINE = 0.99
+MAX_QUANTIZED_NORM_RATIO_ERROR = 0.05
 
 
 @dataclass
@@ -57,13 +62,14 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300))
 
 
-def run_plan(make_backend, graphs, plan: Plan, blocks: int, rounds: int, inputs: dict, options: dict) -> tuple[dict, dict]:
-    """Run the sample's cycle `rounds` times: (outputs of the first round per visit, kind -> seconds per visit per round)."""
+def run_plan(make_backend, graphs, plan: Plan, blocks: int, rounds: int, inputs: dict, options: dict,
+             ffn: str = "fp16") -> tuple[dict, dict]:
+    """Run the sample's cycle `rounds` times: (outputs of the first round per visit, kind -> seconds per visit per round).
+    The variants are compared on the FP16 FFNs (quantized ones differ from serial by their quantization error, and
+    exist for batch-1 graphs only); measure_quantized_ffn runs the quantized ones."""
     seconds = {kind: [] for kind in BRANCH_KINDS}
     outputs = {}
-    # FP16 FFNs for every variant: installed quantized FFN graphs exist for batch-1 graphs only, so under "auto" a
-    # batch-2 FFN variant would run other graphs than serial and be dropped as disagreeing
-    with open_runtime(make_backend(), graphs, plan, blocks=blocks, ffn="fp16", **options) as runtime:
+    with open_runtime(make_backend(), graphs, plan, blocks=blocks, **{**options, "ffn": ffn}) as runtime:
         cycle = runtime.manifest.cycle()
         for round_index in range(rounds):
             before = runtime.timings["per_kind"]
@@ -150,3 +156,90 @@ def _line(outcome: Outcome) -> str:
     if outcome.dropped:
         return f"{outcome.variant:<14} dropped: {outcome.dropped}"
     return f"{outcome.variant:<14} " + "  ".join(f"{kind} {outcome.median(kind):.4f} s" for kind in BRANCH_KINDS) + "  (per visit, median)"
+
+
+@dataclass
+class FfnOutcome:
+    """FP16 against quantized FFNs: the FP16 FFN's variant (the kind's choice) and its time per FFN visit, the
+    batch-1 variant the quantized FFNs ran with and theirs, or why they were dropped; the verdict."""
+    blocks: list[int]
+    fp16_variant: str
+    fp16_seconds: float
+    variant: str | None = None
+    seconds: list[float] = field(default_factory=list)
+    dropped: str | None = None
+    board_check: list[dict] = field(default_factory=list)
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.seconds[1:] or self.seconds) if self.seconds else None
+
+    @property
+    def chosen(self) -> str:
+        return "w8a8-lowrank" if not self.dropped and self.median < self.fp16_seconds else "fp16"
+
+
+def measure_quantized_ffn(make_backend, graphs: dict, choice: dict, outcomes: dict, blocks: int, rounds: int,
+                          reference: dict, board_backend=None, contexts: int = 2, core_mask: str = "auto",
+                          wait_for_inference: bool = False, options: dict | None = None) -> FfnOutcome | None:
+    """When the batch-1 graphs have quantized FFNs (`prepare --ffn w8a8-lowrank` installed them after their gates):
+    run the chosen mix with them, the FFN on the fastest kept batch-1 variant, and time the FFN visits against the
+    FP16 choice's. Dropped when a run fails, an output is not finite or the other kinds disagree with serial, when
+    a quantized FFN is far from the FP16 one on the sample (QUANTIZED_MIN_COSINE), or when `board_backend` (the
+    board's: NPU against the simulator's saved outputs) fails a block. None when nothing is installed."""
+    folder = graphs[1]
+    manifest = Manifest.read(folder)
+    installed = quantized_blocks(manifest)
+    if not installed:
+        return None
+    fp16_variant = choice["mlp"]
+    outcome = FfnOutcome(installed, fp16_variant, outcomes[fp16_variant].median("mlp"))
+    batch1 = [o for o in outcomes.values() if o.dropped is None and VARIANTS[o.variant].graph_batch == 1]
+    outcome.variant = min(batch1, key=lambda o: o.median("mlp")).variant
+    sample = read_graph_sets(graphs, blocks)[1][1]
+    if not quantized_blocks(sample):
+        outcome.dropped = f"no quantized FFN among the sample's blocks 0..{blocks - 1} (installed: blocks {_blocks(installed)}); tune with --blocks {installed[0] + 1}"
+        return outcome
+    if board_backend is not None:
+        outcome.board_check = board_check(folder, manifest, board_backend, core_mask)
+        failed = [row for row in outcome.board_check if not row["passed"]]
+        if failed:
+            row = failed[0]
+            outcome.dropped = (f"block {row['block']}'s quantized FFN on the NPU differs from the simulator: cosine "
+                               f"{row['cosine']:.6f}, {row['nonfinite']} NaN/Inf (`anima-ui verify` shows every block)")
+            return outcome
+    _, scales = with_quantized_ffns(sample, folder)
+    inputs = sample_inputs(sample)
+    for block, scale in scales.items():  # the host folds 1/λ1 into the modulation: the graph takes x/λ1
+        name = sample.graph(block, "mlp").inputs[0].name
+        inputs[(block, "mlp")] = {**inputs[(block, "mlp")], name: inputs[(block, "mlp")][name] / scale}
+    plan = Plan({**choice, "mlp": outcome.variant}, contexts=contexts, core_mask=core_mask, wait_for_inference=wait_for_inference)
+    try:
+        outputs, seconds = run_plan(make_backend, graphs, plan, blocks, rounds, inputs, options or {}, ffn="w8a8-lowrank")
+    except Cancelled:
+        raise
+    except Exception as exc:
+        outcome.dropped = f"failed: {type(exc).__name__}: {exc}"
+        return outcome
+    outcome.seconds = seconds["mlp"]
+    quantized = {visit: out for visit, out in outputs.items() if visit[1] == "mlp" and visit[0] in scales}
+    outcome.dropped = (disagreement({v: o for v, o in outputs.items() if v not in quantized}, reference)
+                       or quantized_disagreement(quantized, reference))
+    return outcome
+
+
+def quantized_disagreement(outputs: dict, reference: dict) -> str | None:
+    for (block, kind), out in outputs.items():
+        if not np.all(np.isfinite(out)):
+            return f"NaN/Inf in block {block}'s quantized FFN"
+        expected = reference[(block, kind)]
+        c = cosine(out, expected)
+        ratio = float(np.linalg.norm(out) / np.linalg.norm(expected))
+        if not (c >= QUANTIZED_MIN_COSINE and abs(ratio - 1) <= MAX_QUANTIZED_NORM_RATIO_ERROR):
+            return (f"block {block}'s quantized FFN is far from the FP16 one on the sample: cosine {c:.5f} (>= "
+                    f"{QUANTIZED_MIN_COSINE} expected), norm {ratio:.4f} x; run `anima-ui prepare --ffn w8a8-lowrank` again")
+    return None
+
+
+def _blocks(blocks: list[int]) -> str:
+    return ",".join(map(str, blocks))
