@@ -13,7 +13,7 @@ from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.model.reference import TorchBranches
 from anima_ui.quant.capture import FfnRecorder
 from anima_ui.quant.convert import hybrid_op_problems, parse_op_table
-from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain, low_rank, quantize_ffn
+from anima_ui.quant.ffn import QuantizedFfn, add_tree, emulate, emulate_plain, k_pieces, low_rank, quantize_ffn
 from anima_ui.quant.gate import rel_error
 from anima_ui.quant.graph import float_ffn_model, quantized_ffn_model
 from anima_ui.quant.numerics import Quantizer, erf, ffn_fp16, ffn_fp32, gelu, quantize_weight
@@ -75,15 +75,35 @@ def test_low_rank_is_as_good_as_the_truncated_svd():
     assert np.linalg.norm(w - la @ lb) <= 1.01 * best
 
 
-def test_the_graph_in_float_is_the_original_ffn(tiny_state):
-    """Smoothing and the low-rank split are exact rewrites: in float32 the quantized graph computes the FFN
-    branch (the torch module the project exports) of x from its input x/λ1."""
+def test_residual_gemms_split_into_aligned_pieces_no_wider_than_the_limit():
+    assert k_pieces(8192) == (2752, 2720, 2720)  # layer 2 at full size: the compiler would tile K = 8192
+    assert k_pieces(2048) == (2048,) and k_pieces(8192, None) == (8192,)
+    assert k_pieces(256, 96) == (96, 96, 64) and k_pieces(1000, 300) == (256, 256, 256, 232)
+    for k, max_k in ((8192, 3072), (256, 96), (1000, 300), (4096, 2048)):
+        assert sum(k_pieces(k, max_k)) == k and max(k_pieces(k, max_k)) <= max_k
+
+
+def test_add_tree_adds_pairwise_with_one_fp16_rounding_per_add():
+    a, b, c = (np.float32(v) for v in (1.0, 2.0 ** -11, 2.0 ** -11))
+    assert add_tree([a, b, c]) == 1.0  # ((a + b) + c): half an FP16 step at 1 is lost twice
+    assert add_tree([b, c, a]) == 1.0 + 2.0 ** -10  # ((b + c) + a): together they make one step
+    terms = [np.full(3, v, np.float32) for v in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    assert np.array_equal(add_tree(terms), np.full(3, 15.0))
+
+
+@pytest.mark.parametrize("max_k", [None, 32])
+def test_the_graph_in_float_is_the_original_ffn(tiny_state, max_k):
+    """Smoothing, the low-rank split and the residual GEMMs' K pieces are exact rewrites: in float32 the quantized
+    graph computes the FFN branch (the torch module the project exports) of x from its input x/λ1."""
     weights = block_weights(tiny_state, 0)
     w1, w2 = weights["mlp.layer1.weight"].T.copy(), weights["mlp.layer2.weight"].T.copy()
     x = np.random.default_rng(1).standard_normal((1, 16, 64)).astype(np.float32) * 3
-    q = quantize_ffn(w1, w2, x[0], rank=8)
+    q = quantize_ffn(w1, w2, x[0], rank=8, max_k=max_k)
+    assert (len(q.pieces1), len(q.pieces2)) == ((1, 1) if max_k is None else (2, 8))
     expected = FeedForwardBranch(weights)(torch.from_numpy(x)).detach().numpy()
-    assert rel_error(run_onnx(quantized_ffn_model(q, x.shape), x / q.smooth_in), expected) < 1e-5
+    model = quantized_ffn_model(q, x.shape)
+    assert sum(node.op_type == "MatMul" for node in model.graph.node) == len(q.pieces1) + len(q.pieces2) + 4
+    assert rel_error(run_onnx(model, x / q.smooth_in), expected) < 1e-5
     assert rel_error(run_onnx(float_ffn_model(w1, w2, x.shape), x), expected) < 1e-6
     assert rel_error(ffn_fp32(x, w1, w2), expected) < 1e-6
 
@@ -105,10 +125,12 @@ def test_low_rank_smoothed_w8a8_beats_plain_w8a8_on_outliers():
 
 def test_save_and_load_keep_everything(tmp_path):
     w1, w2, calib, _ = outlier_ffn(tokens=256)
-    q = quantize_ffn(w1, w2, calib, rank=8)
+    q = quantize_ffn(w1, w2, calib, rank=8, max_k=96)
+    assert q.pieces2 == (96, 96, 64) and {"mid0", "mid2", "res2_0", "res2_2"} <= set(q.ranges)
     q.save(tmp_path / "q.npz")
     loaded = QuantizedFfn.load(tmp_path / "q.npz")
     assert (loaded.rank, loaded.alpha1, loaded.alpha2, loaded.ranges) == (q.rank, q.alpha1, q.alpha2, q.ranges)
+    assert (loaded.pieces1, loaded.pieces2) == (q.pieces1, q.pieces2)
     x = calib[:32] / q.smooth_in
     assert np.array_equal(emulate(loaded, x), emulate(q, x))
 
@@ -209,4 +231,11 @@ def test_op_table_check_accepts_the_hybrid_graph_and_names_each_deviation():
     assert any("Conv:res2#2 is FLOAT16, expected INT8" in p for p in problems)
     assert any("output is INT8" in p for p in problems)
     assert any("exGelu:gelu_2gelu runs on the CPU" in p for p in problems)
+    # what the compiler makes of an INT8 residual GEMM with too large a K: tiles chained by an INT8 ConvAdd
+    tiled = BUILD_LOG.replace("Conv:res2#2\n", "Conv:res2#2_tile1\n").replace(
+        "D RKNN: [18:07:05.288] 14   ConvAdd", "D RKNN: [18:07:05.288] 13   ConvAdd            INT8     NPU    "
+        "(1,256,1,64),(64,256,1,1),(64)           (1,64,1,64)            1581/1024/1581           32           Conv:res2#2_tile0_ConvAdd\n"
+        "D RKNN: [18:07:05.288] 14   ConvAdd")
+    problems = hybrid_op_problems(parse_op_table(tiled))
+    assert len(problems) == 2 and all("the compiler tiled Conv:res2#2_tile" in p for p in problems)
     assert hybrid_op_problems(parse_op_table("no table here")) == ["the build log has no op table"]

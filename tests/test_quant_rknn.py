@@ -15,13 +15,13 @@ from anima_ui import checkup
 from anima_ui.convert.convert_rknn import VENV_PYTHON
 from anima_ui.convert.prepare import prepare
 from anima_ui.modelfiles import ModelPaths
-from anima_ui.quant.build import MAX_EMULATOR_GAP, ffn_weights, graph_inputs, quantize_model
+from anima_ui.quant.build import MAX_EMULATOR_GAP, check_conversion, ffn_weights, graph_inputs, quantize_model
 from anima_ui.quant.capture import read_calibration
 from anima_ui.quant.convert import convert_ffn
-from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain
-from anima_ui.quant.gate import rel_error
+from anima_ui.quant.ffn import QuantizedFfn, emulate, emulate_plain, quantize_ffn
+from anima_ui.quant.gate import onnx_reference, rel_error
 from anima_ui.model.onnx_graph import write_model
-from anima_ui.quant.graph import float_ffn_model
+from anima_ui.quant.graph import float_ffn_model, quantized_ffn_model
 from anima_ui.quant.numerics import ffn_fp16, ffn_fp32
 from anima_ui.fixtures.outliers import write_outlier_model
 from anima_ui.runtime.backends import Backend
@@ -64,6 +64,27 @@ def test_quantized_ffns_convert_with_int8_residuals_and_match_the_emulator(calib
         assert rel_error(emulated, saved["outputs"][0]) == conversion["emulator_vs_simulator"][0]
         # (rounding-edge codes vary with the calibration run: measured 98.5 % to 100 % of outputs bit-identical)
         assert np.mean(emulated == saved["outputs"][0]) > 0.97
+
+
+def test_residual_gemms_split_along_k_convert_as_int8_pieces_and_match_the_emulator(calibrated, tmp_path):
+    """What the full-size layer 2 (K = 8192, three pieces) needs, at the tiny width: K = 256 in pieces of at most 96
+    (layer 2: 96 + 96 + 64) and 32 (layer 1: two of 32, layer 2: eight), each piece its own INT8 Conv, untiled."""
+    folder, blocks = calibrated
+    w1, w2 = ffn_weights(ModelPaths.find(folder).dit, 0)
+    for max_k, pieces in ((96, (1, 3)), (32, (2, 8))):
+        q = quantize_ffn(w1, w2, blocks[0].calib_x, 16, blocks[0].amax_x, blocks[0].amax_hidden, max_k=max_k)
+        assert (len(q.pieces1), len(q.pieces2)) == pieces
+        write_model(quantized_ffn_model(q, SHAPE), tmp_path / f"split{max_k}.onnx")
+        checks = graph_inputs(blocks[0].heldout_x, q, SHAPE, 2)
+        conversion = convert_ffn(tmp_path / f"split{max_k}.onnx", tmp_path / f"split{max_k}.rknn", "hybrid",
+                                 graph_inputs(blocks[0].calib_x, q, SHAPE, 4), checks, q=q)
+        assert set(conversion.info["ranges_applied"].values()) == set(q.ranges)  # every piece's range reached the toolkit
+        residual = [op for op in conversion.ops if op.name.startswith("Conv:res")]
+        assert len(residual) == sum(pieces) and {op.dtype for op in residual} == {"INT8"}
+        result = check_conversion(q, conversion, checks, lambda x: onnx_reference(w1, w2, x))
+        assert result["problems"] == []
+        assert max(result["emulator_vs_simulator"]) < MAX_EMULATOR_GAP * min(result["simulator_error"])
+        assert np.mean(emulate(q, checks[0]) == conversion.sim_outputs[0]) > 0.97
 
 
 def test_the_toolkits_own_w8a8_and_fp16_builds_match_their_emulations(calibrated, tmp_path):

@@ -2,8 +2,9 @@
 compiler's op table read from the build log.
 
 For a W8A8 + low-rank graph the op table must show exactly what was asked for: the two residual GEMMs as
-INT8 Convs, every other Conv (the low-rank branch, fused with the add into a ConvAdd) in FLOAT16, the output
-FLOAT16, and nothing on the CPU but the input and output operators."""
+INT8 Convs (or their pieces), none of them tiled along K by the compiler (it would round the partial sums to int8
+between tiles, which the emulator does not model), every other Conv (the low-rank branch, fused with the add into
+a ConvAdd) in FLOAT16, the output FLOAT16, and nothing on the CPU but the input and output operators."""
 
 import json
 import os
@@ -17,8 +18,8 @@ import numpy as np
 
 from anima_ui.convert.convert_rknn import VENV_PYTHON, WORKER as FP16_WORKER
 from anima_ui.errors import UserError
-from anima_ui.quant.ffn import QUANTIZED_TENSORS, QuantizedFfn
-from anima_ui.quant.graph import INT8_PREFIXES, RANGE_PREFIXES
+from anima_ui.quant.ffn import QuantizedFfn
+from anima_ui.quant.graph import INT8_PREFIXES
 
 WORKER = FP16_WORKER.with_name("rknn_quant_worker.py")
 MODES = ("hybrid", "int8", "fp16")
@@ -84,6 +85,8 @@ def hybrid_op_problems(ops: list[Op]) -> list[str]:
             wanted = "INT8" if op in residual else "FLOAT16"
             if op.dtype != wanted:
                 problems.append(f"{op.name} is {op.dtype}, expected {wanted}")
+            if op in residual and "_tile" in op.name:
+                problems.append(f"the compiler tiled {op.name} along K (partial sums rounded to int8 between tiles)")
         if op.target == "CPU" and op.type not in ("InputOperator", "OutputOperator"):
             problems.append(f"{op.name} runs on the CPU")
     output = [op for op in ops if op.type == "OutputOperator"]
@@ -109,7 +112,7 @@ def convert_ffn(onnx_path, rknn_path, mode: str, dataset: list[np.ndarray], chec
             "work": str(tmp), "result": str(tmp / "result.json"), "check_outputs_dir": str(tmp),
             "dataset": _save_arrays(dataset, tmp, "calib"), "check_inputs": _save_arrays(check_inputs, tmp, "check"),
             "int8_prefixes": list(INT8_PREFIXES),
-            "ranges": {RANGE_PREFIXES[name]: list(q.ranges[name]) for name in QUANTIZED_TENSORS} if q is not None else {},
+            "ranges": {name: list(bounds) for name, bounds in q.ranges.items()} if q is not None else {},
         }
         (tmp / "job.json").write_text(json.dumps(job))
         log = Path(keep_log) if keep_log else tmp / "build.log"

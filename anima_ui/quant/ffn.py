@@ -13,7 +13,13 @@ FP16 tensor. (With an int8 graph input, as the toolkit would choose, the branch 
 layer by the emulated layer's output error; La·Lb is the best rank-r approximation of the smoothed weight
 (SVDQuant) and R = λW − La·Lb is what is left for int8. The low-rank branch takes the outlier directions,
 so the int8 residual's output range, which one per-tensor scale must cover, shrinks (on a synthetic DiT FFN
-from [−189, 51] to [−12, 14]). All weights are in [in, out] layout (x @ W)."""
+from [−189, 51] to [−12, 14]). All weights are in [in, out] layout (x @ W).
+
+A residual GEMM whose K (its input width) is above MAX_INT8_K is split along K into pieces, each an INT8 Conv of
+its own slice of the input with its own input and output quantizers, whose FP16 outputs are added in FP16:
+rknn-toolkit2 2.5.0 would otherwise tile K itself into INT8 Convs chained by INT8 ConvAdds that round the
+partial sums to int8 between tiles (at full size, layer 2's K = 8192 in three tiles: 2.5 % FFN error on the
+simulator instead of the emulated 1.8 %). The pieces cost the same Conv cycles as the whole."""
 
 from dataclasses import asdict, dataclass, field
 
@@ -26,7 +32,39 @@ ALPHAS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 RANGE_SHRINKS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 SMOOTH_LIMITS = (1e-3, 1e3)  # keeps x/λ and λ·W well inside FP16
 SEARCH_TOKENS = 2048  # calibration tokens used to score each α and range candidate
-QUANTIZED_TENSORS = ("h", "res1", "mid", "res2")  # the graph's int8 activations, in order
+# The largest K the compiler keeps in one INT8 Conv. Measured with rknn-toolkit2 2.5.0 for RK3588 on residual
+# GEMMs with 2048 outputs, at 1024 and 4096 tokens: K = 1024, 2048, 2560 and 3072 compile as one Conv, K = 3584
+# and 4096 as two tiles (and K = 8192 as three).
+MAX_INT8_K = 3072
+PIECE_ALIGN = 32  # piece widths are multiples of this (whole channel groups of the NPU's layouts)
+
+
+def k_pieces(k: int, max_k: int | None = MAX_INT8_K) -> tuple[int, ...]:
+    """Widths of the pieces a residual GEMM with input width k is split into (one piece when k <= max_k; None:
+    never split): as few as fit, as equal as whole PIECE_ALIGN groups allow (the last takes any remainder)."""
+    if max_k is None or k <= max_k:
+        return (k,)
+    if max_k < PIECE_ALIGN:
+        raise ValueError(f"pieces of at most {max_k} channels: at least {PIECE_ALIGN} needed")
+    groups = -(-k // PIECE_ALIGN)
+    count = -(-groups // (max_k // PIECE_ALIGN))
+    widths = [PIECE_ALIGN * (groups // count + (i < groups % count)) for i in range(count)]
+    widths[-1] -= groups * PIECE_ALIGN - k
+    return tuple(widths)
+
+
+def range_names(layer: int, pieces: tuple[int, ...]) -> tuple[list[str], list[str]]:
+    """(input, output) quantizer names of one layer's residual pieces; they are also the graph's tensor names
+    (the toolkit's configuration lists tensors by these prefixes). One piece: `h`/`mid` and `res1`/`res2`."""
+    base = ("h", "mid")[layer - 1]
+    if len(pieces) == 1:
+        return [base], [f"res{layer}"]
+    return [f"{base}{i}" for i in range(len(pieces))], [f"res{layer}_{i}" for i in range(len(pieces))]
+
+
+def piece_slices(pieces: tuple[int, ...]) -> list[slice]:
+    ends = np.cumsum((0, *pieces))
+    return [slice(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])]
 
 
 @dataclass
@@ -42,7 +80,13 @@ class QuantizedFfn:
     r2: np.ndarray  # [F, D]
     la2: np.ndarray  # [F, r]
     lb2: np.ndarray  # [r, D]
-    ranges: dict = field(default_factory=dict)  # tensor name -> (min, max) of its int8 quantizer
+    ranges: dict = field(default_factory=dict)  # tensor name (range_names) -> (min, max) of its int8 quantizer
+    pieces1: tuple = ()  # K widths of layer 1's residual pieces (k_pieces; default: one)
+    pieces2: tuple = ()
+
+    def __post_init__(self):
+        self.pieces1 = tuple(int(k) for k in self.pieces1) or (self.r1.shape[0],)
+        self.pieces2 = tuple(int(k) for k in self.pieces2) or (self.r2.shape[0],)
 
     def quantizer(self, name: str) -> Quantizer:
         return Quantizer.from_range(*self.ranges[name])
@@ -50,36 +94,53 @@ class QuantizedFfn:
     def save(self, path) -> None:
         arrays = {k: v for k, v in asdict(self).items() if isinstance(v, np.ndarray)}
         meta = np.array([self.rank, self.alpha1, self.alpha2], np.float64)
-        ranges = np.array([self.ranges[name] for name in QUANTIZED_TENSORS], np.float64)
-        np.savez(path, meta=meta, ranges=ranges, **arrays)
+        names = list(self.ranges)
+        np.savez(path, meta=meta, range_names=np.array(names), ranges=np.array([self.ranges[n] for n in names], np.float64),
+                 pieces1=np.array(self.pieces1), pieces2=np.array(self.pieces2), **arrays)
 
     @classmethod
     def load(cls, path) -> "QuantizedFfn":
         with np.load(path) as data:
             rank, alpha1, alpha2 = data["meta"]
-            arrays = {k: data[k] for k in data.files if k not in ("meta", "ranges")}
-            ranges = {name: tuple(float(v) for v in row) for name, row in zip(QUANTIZED_TENSORS, data["ranges"])}
-        return cls(rank=int(rank), alpha1=float(alpha1), alpha2=float(alpha2), ranges=ranges, **arrays)
+            arrays = {k: data[k] for k in data.files if k not in ("meta", "range_names", "ranges", "pieces1", "pieces2")}
+            ranges = {str(name): tuple(float(v) for v in row) for name, row in zip(data["range_names"], data["ranges"])}
+            pieces = {k: tuple(int(v) for v in data[k]) for k in ("pieces1", "pieces2")}
+        return cls(rank=int(rank), alpha1=float(alpha1), alpha2=float(alpha2), ranges=ranges, **pieces, **arrays)
 
 
 # -- emulation ---------------------------------------------------------------------------------------------------
-def _layer(x16: np.ndarray, x_quant: Quantizer, residual: np.ndarray, la: np.ndarray, lb: np.ndarray,
-           res_quant: Quantizer) -> np.ndarray:
-    """One layer on an FP16 tensor: the INT8 Conv of its int8 copy (output requantized, then FP16) plus the FP16
-    low-rank branch, as one fused ConvAdd."""
-    out = int8_matmul(x16, x_quant, quantize_weight(residual), res_quant)
+def add_tree(terms: list[np.ndarray]) -> np.ndarray:
+    """FP16 Adds of a layer's terms (residual pieces, then the low-rank branch) pairwise, level by level, as the
+    graph adds them (one FP16 rounding per Add). With the low-rank branch last, no residual piece's INT8 Conv
+    ever feeds an Add together with another Add: rknn-toolkit2 2.5.0's hybrid step 1 fails on that pattern at
+    small widths (its constant folding reshapes the sum to 1x1x1x1)."""
+    while len(terms) > 1:
+        pairs = [f16(a + b) for a, b in zip(terms[0::2], terms[1::2])]
+        terms = pairs + terms[len(pairs) * 2:]
+    return terms[0]
+
+
+def _layer(x16: np.ndarray, pieces: tuple, x_quants: list[Quantizer], residual: np.ndarray, la: np.ndarray,
+           lb: np.ndarray, res_quants: list[Quantizer]) -> np.ndarray:
+    """One layer on an FP16 tensor: per residual piece the INT8 Conv of the int8 copy of its input slice (output
+    requantized, then FP16), and the FP16 low-rank branch, added in FP16 (add_tree; the compiler fuses the
+    branch's second Conv with its Add into one ConvAdd, which rounds the Conv's result before adding)."""
+    terms = [int8_matmul(x16[:, s], qx, quantize_weight(residual[s]), qr)
+             for s, qx, qr in zip(piece_slices(pieces), x_quants, res_quants)]
     if la.shape[1]:
-        out = f16(fp16_matmul(fp16_matmul(x16, la), lb) + out)
-    return out
+        terms.append(fp16_matmul(fp16_matmul(x16, la), lb))
+    return add_tree(terms)
 
 
 def emulate(q: QuantizedFfn, h: np.ndarray) -> np.ndarray:
     """The graph's output for its input h [..., D] = x/λ1 (the host folds λ1 into the AdaLN modulation)."""
     h = np.asarray(h, np.float32)
     shape = h.shape
-    pre = _layer(f16(h.reshape(-1, shape[-1])), q.quantizer("h"), q.r1, q.la1, q.lb1, q.quantizer("res1"))
+    (in1, res1), (in2, res2) = range_names(1, q.pieces1), range_names(2, q.pieces2)
+    quantizers = lambda names: [q.quantizer(n) for n in names]
+    pre = _layer(f16(h.reshape(-1, shape[-1])), q.pieces1, quantizers(in1), q.r1, q.la1, q.lb1, quantizers(res1))
     mid = f16(f16(gelu(pre)) * f16(q.inv_smooth_mid))
-    return _layer(mid, q.quantizer("mid"), q.r2, q.la2, q.lb2, q.quantizer("res2")).reshape(shape)
+    return _layer(mid, q.pieces2, quantizers(in2), q.r2, q.la2, q.lb2, quantizers(res2)).reshape(shape)
 
 
 # -- the transform ----------------------------------------------------------------------------------------------
@@ -124,53 +185,69 @@ class _Layer:
     residual: np.ndarray
     la: np.ndarray
     lb: np.ndarray
-    in_range: tuple
-    res_range: tuple
+    in_ranges: list
+    res_ranges: list
     error: float
 
 
-def _fit_layer(x: np.ndarray, weight: np.ndarray, amax: np.ndarray, alpha: float, rank: int) -> _Layer:
+def _fit_layer(x: np.ndarray, weight: np.ndarray, amax: np.ndarray, alpha: float, rank: int, pieces: tuple) -> _Layer:
     """One linear layer y = x·W transformed at one α and scored on x [tokens, in] (float32): the relative error
-    of the emulated output against x·W."""
+    of the emulated output against x·W. Ranges are chosen piece by piece, the other pieces as chosen so far
+    (not yet chosen: unquantized)."""
     smooth = smoothing(amax, weight, alpha)
     scaled = smooth[:, None] * weight
     la, lb = low_rank(scaled, rank)
     residual = (scaled - la @ lb).astype(np.float32)
     xs = f16(x / smooth)
     target = x @ weight
-    w_q = quantize_weight(residual)
+    slices = piece_slices(pieces)
+    w_q = [quantize_weight(residual[s]) for s in slices]
     low = fp16_matmul(fp16_matmul(xs, la), lb) if rank else 0.0
-    # the input's range first (the residual Conv's output left in float), then the output's range
-    in_range = _best_range(xs, lambda qx: _rel(qx(xs) @ w_q + low, target))
-    acc = Quantizer.from_range(*in_range)(xs) @ w_q
-    res_range = _best_range(acc, lambda qr: _rel(f16(f16(qr(acc)) + low), target))
-    out = f16(f16(Quantizer.from_range(*res_range)(acc)) + low)
-    return _Layer(smooth, residual, la, lb, in_range, res_range, _rel(out, target))
+    others = lambda parts, i: sum((p for j, p in enumerate(parts) if j != i), 0.0)
+    # the inputs' ranges first (the residual Convs' outputs left in float), then the outputs' ranges
+    accs = [xs[:, s] @ w for s, w in zip(slices, w_q)] if len(pieces) > 1 else [0.0]
+    in_ranges = []
+    for i, (s, w) in enumerate(zip(slices, w_q)):
+        rest = others(accs, i)
+        in_ranges.append(_best_range(xs[:, s], lambda qx: _rel(qx(xs[:, s]) @ w + low + rest, target)))
+        accs[i] = Quantizer.from_range(*in_ranges[i])(xs[:, s]) @ w
+    outs, res_ranges = list(accs), []
+    for i, acc in enumerate(accs):
+        rest = others(outs, i)
+        res_ranges.append(_best_range(acc, lambda qr: _rel(f16(f16(qr(acc)) + rest + low), target)))
+        outs[i] = f16(Quantizer.from_range(*res_ranges[i])(acc))
+    out = add_tree(outs + [low] if rank else outs)
+    return _Layer(smooth, residual, la, lb, in_ranges, res_ranges, _rel(out, target))
 
 
-def _search(x, weight, amax, rank, alphas) -> tuple[float, _Layer]:
-    fits = {alpha: _fit_layer(x, weight, amax, alpha, rank) for alpha in alphas}
+def _search(x, weight, amax, rank, alphas, pieces) -> tuple[float, _Layer]:
+    fits = {alpha: _fit_layer(x, weight, amax, alpha, rank, pieces) for alpha in alphas}
     best = min(fits, key=lambda alpha: fits[alpha].error)
     return best, fits[best]
 
 
 def quantize_ffn(w1: np.ndarray, w2: np.ndarray, calib_x: np.ndarray, rank: int, amax_x: np.ndarray | None = None,
-                 amax_hidden: np.ndarray | None = None, alphas1=ALPHAS, alphas2=ALPHAS, seed: int = 0) -> QuantizedFfn:
+                 amax_hidden: np.ndarray | None = None, alphas1=ALPHAS, alphas2=ALPHAS, seed: int = 0,
+                 max_k: int | None = MAX_INT8_K) -> QuantizedFfn:
     """The transform of one FFN (w1 [D, F], w2 [F, D]) from calibration inputs calib_x [tokens, D].
     amax_x / amax_hidden: per-channel |max| of the FFN input and of GELU(x·W1) over all calibration tokens
-    (default: over calib_x). Each layer takes the α of its candidates with the smallest output error."""
+    (default: over calib_x). Each layer takes the α of its candidates with the smallest output error.
+    max_k: residual GEMMs with a larger K are split into pieces (k_pieces; None: never)."""
     x = np.asarray(calib_x, np.float32).reshape(-1, w1.shape[0])
     if len(x) > SEARCH_TOKENS:
         x = x[np.random.default_rng(seed).choice(len(x), SEARCH_TOKENS, replace=False)]
     hidden = gelu(x @ w1)
     amax_x = np.abs(x).max(axis=0) if amax_x is None else amax_x
     amax_hidden = np.abs(hidden).max(axis=0) if amax_hidden is None else amax_hidden
-    alpha1, l1 = _search(x, w1, amax_x, rank, alphas1)
-    alpha2, l2 = _search(hidden, w2, amax_hidden, rank, alphas2)
+    pieces1, pieces2 = k_pieces(w1.shape[0], max_k), k_pieces(w2.shape[0], max_k)
+    alpha1, l1 = _search(x, w1, amax_x, rank, alphas1, pieces1)
+    alpha2, l2 = _search(hidden, w2, amax_hidden, rank, alphas2, pieces2)
+    names = [*range_names(1, pieces1), *range_names(2, pieces2)]
+    values = [l1.in_ranges, l1.res_ranges, l2.in_ranges, l2.res_ranges]
     return QuantizedFfn(
         rank=rank, alpha1=alpha1, alpha2=alpha2, smooth_in=l1.smooth, r1=l1.residual, la1=l1.la, lb1=l1.lb,
         inv_smooth_mid=(1.0 / l2.smooth).astype(np.float32), r2=l2.residual, la2=l2.la, lb2=l2.lb,
-        ranges={"h": l1.in_range, "res1": l1.res_range, "mid": l2.in_range, "res2": l2.res_range},
+        ranges={n: r for ns, rs in zip(names, values) for n, r in zip(ns, rs)}, pieces1=pieces1, pieces2=pieces2,
     )
 
 

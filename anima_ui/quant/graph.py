@@ -4,24 +4,36 @@
 Input `h` [B, N, D] and output `out` [B, N, D], as the exported FFN branch graphs; GELU is the exGelu pattern.
 Tensor names matter to the conversion: the hybrid configuration keeps int8 exactly the residual GEMM outputs
 (names starting `res1`/`res2`, and the toolkit's renamings of them such as `res1_3_mm`); the FP16 tensors `h`
-and `mid…` carry the ranges their int8 copies (the residual GEMMs' inputs) are quantized with."""
+and `mid…` carry the ranges their int8 copies (the residual GEMMs' inputs) are quantized with. A residual GEMM
+split along K (ffn.k_pieces) reads Slices of its input named `h0`, `h1`… / `mid0`, `mid1`… and writes
+`res1_0`, `res1_1`… / `res2_0`…, each with its own range (ffn.range_names), added by FP16 Adds (ffn.add_tree)."""
 
 import numpy as np
 import onnx
 
 from anima_ui.model.branch_graphs import branch_graph
 from anima_ui.model.onnx_graph import Graph, gelu_erf, linear
-from anima_ui.quant.ffn import QuantizedFfn
+from anima_ui.quant.ffn import QuantizedFfn, piece_slices, range_names
 
 INT8_PREFIXES = ("res1", "res2")  # tensors (and the toolkit's renamings of them) that stay int8
-RANGE_PREFIXES = {"h": "h", "res1": "res1", "mid": "mid", "res2": "res2"}  # QuantizedFfn range -> cfg tensor prefix
 
 
-def _layer(g: Graph, x: str, residual: np.ndarray, la: np.ndarray, lb: np.ndarray, index: int) -> str:
-    """x·R + (x·La)·Lb with [in, out] weights; the residual GEMM's output is named `res{index}…`."""
-    res = linear(g, x, residual.T, f"res{index}")
-    low_rank = linear(g, linear(g, x, la.T, f"lra{index}"), lb.T, f"lrb{index}")
-    return g.node("Add", [res, low_rank], f"pre{index}")
+def _layer(g: Graph, x: str, residual: np.ndarray, la: np.ndarray, lb: np.ndarray, index: int, pieces: tuple) -> str:
+    """x·R + (x·La)·Lb with [in, out] weights; R's GEMM (or each piece of it) writes `res{index}…`; the terms
+    are added pairwise, the low-rank branch last (ffn.add_tree says why)."""
+    inputs, outputs = range_names(index, pieces)
+    if len(pieces) == 1:
+        terms = [linear(g, x, residual.T, outputs[0])]
+    else:
+        terms = []
+        for s, name, out in zip(piece_slices(pieces), inputs, outputs):
+            bounds = [g.const([bound], hint, np.int64) for bound, hint in ((s.start, "start"), (s.stop, "stop"), (2, "axis"))]
+            terms.append(linear(g, g.node("Slice", [x, *bounds], name), residual[s].T, out))
+    terms.append(linear(g, linear(g, x, la.T, f"lra{index}"), lb.T, f"lrb{index}"))
+    while len(terms) > 1:
+        pairs = [g.node("Add", [a, b], f"pre{index}") for a, b in zip(terms[0::2], terms[1::2])]
+        terms = pairs + terms[len(pairs) * 2:]
+    return terms[0]
 
 
 def quantized_ffn_model(q: QuantizedFfn, shape: tuple[int, int, int]) -> onnx.ModelProto:
@@ -31,9 +43,9 @@ def quantized_ffn_model(q: QuantizedFfn, shape: tuple[int, int, int]) -> onnx.Mo
         raise ValueError("a quantized FFN graph needs a low-rank branch (rank >= 1)")
     g = Graph("float32", "ffn_w8a8_lowrank")
     h = g.input("h", shape)
-    pre = _layer(g, h, q.r1, q.la1, q.lb1, 1)
+    pre = _layer(g, h, q.r1, q.la1, q.lb1, 1, q.pieces1)
     mid = g.node("Mul", [gelu_erf(g, pre), g.const(q.inv_smooth_mid, "inv_lambda2")], "mid")
-    out = _layer(g, mid, q.r2, q.la2, q.lb2, 2)
+    out = _layer(g, mid, q.r2, q.la2, q.lb2, 2, q.pieces2)
     model = g.model({"out": (out, shape)})
     onnx.checker.check_model(model)
     return model
