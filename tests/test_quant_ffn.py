@@ -12,7 +12,8 @@ from anima_ui.model.host import block_weights
 from anima_ui.model.forward import dit_forward, prepare_kv, prepare_rope
 from anima_ui.model.reference import TorchBranches
 from anima_ui.quant.capture import FfnRecorder
-from anima_ui.quant.convert import hybrid_op_problems, parse_op_table
+from anima_ui.convert.rknn_worker import parse_op_table
+from anima_ui.quant.convert import hybrid_op_problems
 from anima_ui.quant.ffn import QuantizedFfn, add_tree, emulate, emulate_plain, k_pieces, low_rank, quantize_ffn
 from anima_ui.quant.gate import rel_error
 from anima_ui.quant.graph import float_ffn_model, quantized_ffn_model

@@ -2,7 +2,6 @@
 tiny model, convert it with rknn-toolkit2 and check every graph on the toolkit's simulator."""
 
 import json
-import re
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import pytest
 
 from anima_ui.convert.convert_rknn import MIN_SIM_COSINE, VENV_PYTHON, WORKER
 from anima_ui.convert.export import export_graphs
+from anima_ui.convert.rknn_worker import parse_op_table, placement
 from anima_ui.runtime.manifest import Manifest
 
 pytestmark = pytest.mark.rknn
@@ -62,9 +62,9 @@ def test_convert_rknn_refuses_a_non_onnx_folder(exported, tmp_path):
     assert json.loads((tmp_path / "manifest.json").read_text())["format"] == "rknn"
 
 
-# Compiles one graph with the toolkit's verbose log and prints the op table rows as "OpType Target".
+# Compiles one graph with the toolkit's verbose log (its op table).
 OP_TABLE = r"""
-import re, sys
+import sys
 sys.path.insert(0, sys.argv[1])
 from rknn_worker import import_rknn
 RKNN = import_rknn()
@@ -83,8 +83,8 @@ def test_built_graphs_compile_to_fused_npu_ops(exported, kind, fused):
     result = subprocess.run([str(VENV_PYTHON), "-c", OP_TABLE, str(WORKER.parent), str(exported / "onnx" / f"block00_{kind}.onnx")],
                             capture_output=True, text=True, timeout=300, cwd=exported)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = re.findall(r"RKNN: \[[\d:.]+\] \d+\s+(\w+)\s+FLOAT16\s+(NPU|CPU)\s", result.stdout + result.stderr)
-    ops = {op for op, target in rows}
-    assert fused <= ops and "Conv" in ops
-    assert {op for op, target in rows if target == "CPU"} <= {"InputOperator", "OutputOperator"}
+    table = parse_op_table(result.stdout + result.stderr)
+    ops = {op.type for op in table}
+    assert fused <= ops and "Conv" in ops and {op.dtype for op in table} == {"FLOAT16"}
+    assert placement(result.stdout + result.stderr)[0] == []  # only the input and output on the CPU
     assert not ops & {"MatMul", "Softmax", "Erf", "ReduceMean", "Pow"}  # nothing left unfused

@@ -9,10 +9,12 @@ FFN's cosine and relative error and the error it adds to the residual stream. Th
 FP16 pipeline with every FFN plain W8A8, and with every FFN at each rank (ungated, to show each alone).
 
 Part 2 (--fullsize MODELS): one block's FFN of a full-size model (2048 -> 8192 -> 2048, 1024 tokens = 512x512)
-with synthetic outlier inputs (a random model has none), transformed at rank 32 and built three ways with
-rknn-toolkit2 (FP16, the toolkit's W8A8, hybrid W8A8 + low-rank): build time, .rknn size, the compiler's
-modelled cycles, simulator seconds, error against float32, and the emulator against the simulator.
-Run it alone on a shared machine (one full-size run at a time, e.g. under `flock`): it needs about 3 GB and a few minutes."""
+with synthetic outlier inputs (a random model has none), transformed at rank 32 and built four ways with
+rknn-toolkit2: FP16, the toolkit's W8A8, and hybrid W8A8 + low-rank twice: with layer 2's residual GEMM whole
+(K = 8192, which the compiler tiles into INT8 Convs chained by INT8 ConvAdds) and split into K pieces
+(quant/ffn.py k_pieces, what quantize-ffn builds). Per build: build time, .rknn size, the compiler's modelled
+cycles and memory traffic, the simulator's error against float32 with the per-block FFN gate, and the emulator
+against the simulator. It needs about 2 GB and some minutes."""
 
 import tempfile
 import time
@@ -26,12 +28,12 @@ from anima_ui.model.checkpoint import load_dit
 from anima_ui.model.onnx_graph import write_model
 from anima_ui.model.reference import TorchBranches
 from anima_ui.modelfiles import ModelPaths
-from anima_ui.quant.build import ffn_weights
+from anima_ui.quant.build import MAX_EMULATOR_GAP, ffn_weights
 from anima_ui.quant.convert import convert_ffn, hybrid_op_problems
 from anima_ui.quant.capture import CaptureSettings, capture, checkpoint_layer1, read_calibration
 from anima_ui.quant.e2e import PROMPTS, EndToEnd, emulators_of, end_to_end
-from anima_ui.quant.ffn import emulate, emulate_plain, quantize_ffn
-from anima_ui.quant.gate import measure, onnx_reference, passes, rel_error
+from anima_ui.quant.ffn import MAX_INT8_K, emulate, emulate_plain, quantize_ffn
+from anima_ui.quant.gate import MAX_FFN_REL_ERROR, MIN_FFN_COSINE, cosine, measure, onnx_reference, passes, rel_error
 from anima_ui.quant.graph import float_ffn_model, quantized_ffn_model
 from anima_ui.quant.numerics import ffn_fp16, ffn_fp32
 from anima_ui.text.encoder import TextEncoder
@@ -139,34 +141,47 @@ def _fullsize(models: Path) -> None:
         raise UserError(f"{models} is not a full-size model (width {width}); pass one made by `anima-ui random-model --config full`")
     shape = (1, 1024, width)
     calib = _outlier_tokens(width, 4 * 1024, seed=1)
-    q = quantize_ffn(w1, w2, calib, 32)
-    print(f"\nfull size: block 0 FFN {width}->{w1.shape[1]}, {shape[1]} tokens, rank 32, α {q.alpha1}/{q.alpha2} "
-          f"(transform {time.perf_counter() - started:.0f} s)")
+    hybrids = {}
+    for name, max_k in (("hybrid, K-tiled", None), ("hybrid, K pieces", MAX_INT8_K)):
+        searched = time.perf_counter()
+        hybrids[name] = q = quantize_ffn(w1, w2, calib, 32, max_k=max_k)
+        print(f"\nfull size: block 0 FFN {width}->{w1.shape[1]}, {shape[1]} tokens, rank 32; {name}: layer 2's residual GEMM "
+              f"in {len(q.pieces2)} piece(s) {q.pieces2}, α {q.alpha1}/{q.alpha2} (search {time.perf_counter() - searched:.0f} s)")
     checks = [_outlier_tokens(width, shape[1], seed=2).reshape(shape)]
     dataset = [calib[i * shape[1]:(i + 1) * shape[1]].reshape(shape) for i in range(4)]
+    reference = ffn_fp32(checks[0][0], w1, w2)
+    emulated = {"FP16": ffn_fp16(checks[0][0], w1, w2), "W8A8 (toolkit)": emulate_plain(w1, w2, calib, checks[0][0]),
+                **{name: emulate(q, checks[0][0] / q.smooth_in) for name, q in hybrids.items()}}
     with tempfile.TemporaryDirectory(prefix="bench_quant_full_") as tmp:
         tmp = Path(tmp)
         write_model(float_ffn_model(w1, w2, shape), tmp / "ffn.onnx")
-        write_model(quantized_ffn_model(q, shape), tmp / "ffn_w8a8.onnx")
         builds = {
             "FP16": convert_ffn(tmp / "ffn.onnx", tmp / "fp16.rknn", "fp16", dataset, checks),
             "W8A8 (toolkit)": convert_ffn(tmp / "ffn.onnx", tmp / "int8.rknn", "int8", dataset, checks),
-            "W8A8 + rank 32": convert_ffn(tmp / "ffn_w8a8.onnx", tmp / "hybrid.rknn", "hybrid", [d / q.smooth_in for d in dataset],
-                                          [c / q.smooth_in for c in checks], q=q),
         }
-        reference = ffn_fp32(checks[0][0], w1, w2)
-        emulated = {"FP16": ffn_fp16(checks[0][0], w1, w2), "W8A8 (toolkit)": emulate_plain(w1, w2, calib, checks[0][0]),
-                    "W8A8 + rank 32": emulate(q, checks[0][0] / q.smooth_in)}
+        for index, (name, q) in enumerate(hybrids.items()):
+            write_model(quantized_ffn_model(q, shape), tmp / f"hybrid{index}.onnx")
+            builds[name] = convert_ffn(tmp / f"hybrid{index}.onnx", tmp / f"hybrid{index}.rknn", "hybrid",
+                                       [d / q.smooth_in for d in dataset], [c / q.smooth_in for c in checks], q=q)
         fp16_cycles = sum(op.cycles_npu for op in builds["FP16"].ops)
-        print(f"{'graph':<16} {'build s':>8} {'MB':>6} {'NPU cycles':>11} {'× FP16':>7} {'total cycles':>13} {'rel err':>8} {'emu vs sim':>10}")
+        print("rel err / cosine: the simulator's output against float32; gate: the per-block FFN thresholds (cosine >= "
+              f"{MIN_FFN_COSINE}, rel err <= {MAX_FFN_REL_ERROR:.0%}); emu vs sim: the emulator against the simulator, "
+              f"relative, and as a share of the rel err (at most {MAX_EMULATOR_GAP:.0%}); RW MB: the op table's memory traffic")
+        print(f"{'graph':<18} {'build s':>8} {'MB':>6} {'NPU cycles':>11} {'× FP16':>7} {'RW MB':>7} {'rel err':>8} {'cosine':>9} "
+              f"{'gate':>5} {'emu vs sim':>10} {'share':>6}")
         for name, c in builds.items():
             npu = sum(op.cycles_npu for op in c.ops)
-            print(f"{name:<16} {c.build_seconds:>8.1f} {c.rknn_file.stat().st_size / 1e6:>6.1f} {npu / 1e6:>10.1f}M {fp16_cycles / npu:>7.2f} "
-                  f"{c.cycles / 1e6:>12.1f}M {rel_error(c.sim_outputs[0][0], reference):>8.2%} "
-                  f"{rel_error(emulated[name], c.sim_outputs[0][0]):>10.2e}")
-        problems = hybrid_op_problems(builds["W8A8 + rank 32"].ops)
-        print("hybrid op table: " + ("residual Convs INT8, everything else FLOAT16, output FLOAT16" if not problems else "; ".join(problems)))
-        for op in builds["W8A8 + rank 32"].ops:
-            if op.type.startswith("Conv"):
-                print(f"  {op.type:<9} {op.dtype:<8} {op.cycles_npu:>10} {op.name}")
+            error = rel_error(c.sim_outputs[0][0], reference)
+            cos = cosine(c.sim_outputs[0][0], reference)
+            gap = rel_error(emulated[name], c.sim_outputs[0][0])
+            ok = cos >= MIN_FFN_COSINE and error <= MAX_FFN_REL_ERROR
+            print(f"{name:<18} {c.build_seconds:>8.1f} {c.rknn_file.stat().st_size / 1e6:>6.1f} {npu / 1e6:>10.1f}M {fp16_cycles / npu:>7.2f} "
+                  f"{sum(op.rw_kb for op in c.ops) / 1e3:>7.0f} {error:>8.2%} {cos:>9.6f} {'pass' if ok else 'fail':>5} {gap:>10.2e} {gap / error:>6.1%}")
+        for name in hybrids:
+            problems = hybrid_op_problems(builds[name].ops)
+            print(f"{name} op table: " + ("residual Convs INT8 and untiled, everything else FLOAT16, output FLOAT16"
+                                          if not problems else "; ".join(problems)))
+            for op in builds[name].ops:
+                if op.name.startswith("Conv:res") or op.type == "Add":
+                    print(f"  {op.type:<9} {op.dtype:<8} {op.cycles_npu:>10} {op.rw_kb:>8} KB {op.name}")
     print(f"(part 2: {time.perf_counter() - started:.0f} s)")

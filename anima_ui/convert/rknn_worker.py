@@ -9,7 +9,9 @@ simulator. Without --feeds it compares with onnxruntime on random inputs at the 
 to judge (the decoder's checks are in pixel space, through graphs of the main environment). Each .rknn
 is written to a temp name and renamed when complete; one JSON line per graph on stdout tells the parent,
 which keeps the records and writes the manifest. The compiler's op table (where each op runs) goes to
-stderr with the rest of the toolkit's log, and the ops it left on the CPU into the JSON line.
+stderr with the rest of the toolkit's log, and the ops it left on the CPU into the JSON line. The op table's
+parser (`parse_op_table`) lives here for every reader of a build log, in this environment and in the app's
+(anima_ui/quant/convert.py imports it; this module imports nothing the app's environment lacks).
 
 torch: rknn-toolkit2 2.5.0 imports it when `rknn.api` is imported, for one reason only: its GDQ
 quantizer (`rknn/api/gdq_quant`) decorates a function with `@torch.no_grad()` and subclasses
@@ -33,13 +35,15 @@ import tempfile
 import time
 import types
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime
 
-# a row of the compiler's op table: "ID  OpType  DataType  Target  ..."
-OP_ROW = re.compile(r"^\S+ RKNN: \[[^\]]+\]\s+\d+\s+(\w+)\s+\w+\s+(CPU|NPU)\s")
+# a row of the compiler's op table (RKNN_LOG_LEVEL=5 or a verbose RKNN):
+# "D RKNN: [time] ID OpType DataType Target InputShape OutputShape Cycles(DDR/NPU/Total) RW(KB) FullName"
+OP_ROW = re.compile(r"RKNN: \[[^\]]*\]\s+(\d+)\s+(\S+)\s+(\w+)\s+(NPU|CPU)\s+.*?\s(\d+)/(\d+)/(\d+)\s+(\S+)\s+(\S+)\s*$")
 NEEDS_TORCH = "rknn-toolkit2 needs the real torch for this (its quantizers): run scripts/make_rknn_venv.sh --with-torch"
 
 
@@ -150,16 +154,40 @@ def convert_one(RKNN, onnx_path: Path, rknn_path: Path, graph: dict, target: str
             "sim_max_abs_error": float(np.abs(np.where(finite, simulated, 0) - expected).max())}
 
 
+@dataclass(frozen=True)
+class Op:
+    """One row of the compiler's op table."""
+
+    index: int
+    type: str
+    dtype: str
+    target: str
+    cycles_npu: int
+    cycles_total: int  # the compiler's modelled cycles (elementwise ops and fused attention report 0)
+    rw_kb: int  # its modelled memory traffic
+    name: str
+
+
+def parse_op_table(log_text: str) -> list[Op]:
+    """The last "Network Layer Information Table" of a verbose build log (one per build)."""
+    start = log_text.rfind("Network Layer Information Table")
+    if start < 0:
+        return []
+    ops = []
+    for line in log_text[start:].splitlines()[3:]:
+        m = OP_ROW.search(line)
+        if m:
+            ops.append(Op(int(m[1]), m[2], m[3], m[4], int(m[6]), int(m[7]), int(m[8]) if m[8].isdigit() else 0, m[9]))
+        elif ops and "-----" in line:
+            break
+    return ops
+
+
 def placement(log: str) -> tuple[list[str], int]:
     """(op types the compiler placed on the CPU besides the input and output themselves, number of NPU ops)."""
-    cpu, npu = [], 0
-    for line in log.splitlines():
-        row = OP_ROW.match(line)
-        if row and row.group(2) == "NPU":
-            npu += 1
-        elif row and row.group(1) not in ("InputOperator", "OutputOperator"):
-            cpu.append(row.group(1))
-    return cpu, npu
+    ops = parse_op_table(log)
+    cpu = [op.type for op in ops if op.target == "CPU" and op.type not in ("InputOperator", "OutputOperator")]
+    return cpu, sum(op.target == "NPU" for op in ops)
 
 
 @contextmanager

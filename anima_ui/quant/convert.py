@@ -17,28 +17,15 @@ from pathlib import Path
 import numpy as np
 
 from anima_ui.convert.convert_rknn import VENV_PYTHON, WORKER as FP16_WORKER
+from anima_ui.convert.rknn_worker import Op, parse_op_table
 from anima_ui.errors import UserError
 from anima_ui.quant.ffn import QuantizedFfn
 from anima_ui.quant.graph import INT8_PREFIXES
 
 WORKER = FP16_WORKER.with_name("rknn_quant_worker.py")
 MODES = ("hybrid", "int8", "fp16")
-# "D RKNN: [time] ID OpType DataType Target InputShape OutputShape Cycles(DDR/NPU/Total) RW(KB) FullName"
-OP_ROW = re.compile(r"RKNN: \[[^\]]*\]\s+(\d+)\s+(\S+)\s+(INT8|INT16|FLOAT16|FLOAT|INT32|INT64|UINT8)\s+(NPU|CPU)\s+.*?"
-                    r"\s(\d+)/(\d+)/(\d+)\s+(\S+)\s+(\S+)\s*$")
 CONV_TYPES = ("Conv", "ConvAdd", "ConvExGelu")
 RESIDUAL = re.compile(r"Conv:(res[12])(?![0-9])")  # the residual GEMMs' Convs (the graph names them res1…, res2…)
-
-
-@dataclass(frozen=True)
-class Op:
-    index: int
-    type: str
-    dtype: str
-    target: str
-    cycles_npu: int
-    cycles_total: int
-    name: str
 
 
 @dataclass
@@ -55,21 +42,6 @@ class Conversion:
     def cycles(self) -> int:
         """The compiler's modelled NPU cycles summed over the ops (exSDPAttention and other fused ops report 0)."""
         return sum(op.cycles_total for op in self.ops)
-
-
-def parse_op_table(log_text: str) -> list[Op]:
-    """The last "Network Layer Information Table" of a verbose (RKNN_LOG_LEVEL=5) build log."""
-    start = log_text.rfind("Network Layer Information Table")
-    if start < 0:
-        return []
-    ops = []
-    for line in log_text[start:].splitlines()[3:]:
-        m = OP_ROW.search(line)
-        if m:
-            ops.append(Op(int(m[1]), m[2], m[3], m[4], int(m[6]), int(m[7]), m[9]))
-        elif ops and "-----" in line:
-            break
-    return ops
 
 
 def hybrid_op_problems(ops: list[Op]) -> list[str]:

@@ -24,6 +24,7 @@ simulator instead of the emulated 1.8 %). The pieces cost the same Conv cycles a
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from anima_ui.quant.numerics import Quantizer, f16, fp16_matmul, gelu, int8_matmul, quantize_weight
 
@@ -31,7 +32,10 @@ ALPHAS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 # Activation ranges are min/max shrunk by the factor that gives the smallest layer output error.
 RANGE_SHRINKS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 SMOOTH_LIMITS = (1e-3, 1e3)  # keeps x/λ and λ·W well inside FP16
-SEARCH_TOKENS = 2048  # calibration tokens used to score each α and range candidate
+SEARCH_TOKENS = 2048  # calibration tokens each α is scored on
+RANGE_TOKENS = 512  # of those, the tokens each range candidate is screened on
+RANGE_FINALISTS = 2  # the candidates with the smallest error there, scored again on all SEARCH_TOKENS
+ALL_TOKENS = slice(None)
 # The largest K the compiler keeps in one INT8 Conv. Measured with rknn-toolkit2 2.5.0 for RK3588 on residual
 # GEMMs with 2048 outputs, at 1024 and 4096 tokens: K = 1024, 2048, 2560 and 3072 compile as one Conv, K = 3584
 # and 4096 as two tiles (and K = 8192 as three).
@@ -151,106 +155,180 @@ def smoothing(amax_activation: np.ndarray, weight: np.ndarray, alpha: float) -> 
     return np.clip(a**alpha / w ** (1.0 - alpha), *SMOOTH_LIMITS).astype(np.float32)
 
 
+def _orthonormal(a: np.ndarray) -> np.ndarray:
+    """An orthonormal basis of a's columns [rows, k] by CholeskyQR2 (two Cholesky passes on the k×k Gram matrix):
+    matrix products and a tiny factorization (LAPACK's QR of a tall thin matrix took 30 times longer)."""
+    for _ in range(2):
+        a = np.linalg.solve(np.linalg.cholesky(a.T @ a), a.T).T
+    return a
+
+
 def low_rank(weight: np.ndarray, rank: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(La, Lb) with La·Lb ≈ weight, rank r: a randomized SVD (4 power iterations), U√S and √S·Vᵀ.
     An exact SVD of a 2048×8192 matrix takes tens of seconds per α candidate; the top 64 directions do not need it."""
     rows, cols = weight.shape
     if rank == 0:
         return np.zeros((rows, 0), np.float32), np.zeros((0, cols), np.float32)
-    w = weight.astype(np.float64)
+    # Many small BLAS calls: OpenBLAS's threads made each one 0.1-0.5 s on a busy 2-core machine (4.3 s for a
+    # 2048×8192 matrix, 0.8 s on one thread).
+    with threadpool_limits(1, user_api="blas"):
+        return _randomized_svd(weight.astype(np.float64), rank, seed)
+
+
+def _randomized_svd(w: np.ndarray, rank: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rows, cols = w.shape
     rng = np.random.default_rng(seed)
-    basis = np.linalg.qr(w @ rng.standard_normal((cols, min(rank + 16, rows, cols))))[0]
+    basis = _orthonormal(w @ rng.standard_normal((cols, min(rank + 16, rows, cols))))
     for _ in range(4):
-        basis = np.linalg.qr(w @ np.linalg.qr(w.T @ basis)[0])[0]
-    u, s, vt = np.linalg.svd(basis.T @ w, full_matrices=False)
-    u = basis @ u[:, :rank]
-    root = np.sqrt(s[:rank])
-    return (u * root).astype(np.float32), (root[:, None] * vt[:rank]).astype(np.float32)
+        basis = _orthonormal(w @ _orthonormal(w.T @ basis))
+    m = basis.T @ w  # [k, cols]: its SVD through the k×k Gram matrix (the top r singular values are far from 0)
+    s2, u = np.linalg.eigh(m @ m.T)
+    top = np.argsort(s2)[::-1][:rank]
+    s, u = np.sqrt(s2[top]), u[:, top]
+    root = np.sqrt(s)
+    return ((basis @ u) * root).astype(np.float32), ((u.T @ m) / (s / root)[:, None]).astype(np.float32)
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / (np.linalg.norm(b) + 1e-30))
 
 
-def _best_range(values: np.ndarray, loss) -> tuple[float, float]:
-    """Among min/max shrunk by RANGE_SHRINKS, the range whose quantizer gives the smallest loss(quantizer)."""
-    low, high = float(values.min()), float(values.max())
+def _rows(a, rows):
+    return a[rows] if isinstance(a, np.ndarray) else a
+
+
+def _best_range(bounds: np.ndarray, loss, scored) -> tuple[float, float]:
+    """Among bounds' min/max shrunk by RANGE_SHRINKS, the range whose quantizer gives the smallest loss(rows)(quantizer)
+    over all tokens: every candidate is scored on the tokens `scored`, the RANGE_FINALISTS best again on all."""
+    low, high = float(bounds.min()), float(bounds.max())
     candidates = [(low * s, high * s) for s in RANGE_SHRINKS]
-    return min(candidates, key=lambda r: loss(Quantizer.from_range(*r)))
+    if scored is not ALL_TOKENS:
+        screen = loss(scored)
+        candidates = sorted(candidates, key=lambda r: screen(Quantizer.from_range(*r)))[:RANGE_FINALISTS]
+    final = loss(ALL_TOKENS)
+    return min(candidates, key=lambda r: final(Quantizer.from_range(*r)))
 
 
 @dataclass
-class _Layer:
+class _Transform:
+    """One linear layer at one α: λ, and λ·W as low-rank branch plus residual."""
+
+    alpha: float
     smooth: np.ndarray
     residual: np.ndarray
     la: np.ndarray
     lb: np.ndarray
+
+
+def _transform(weight: np.ndarray, amax: np.ndarray, alpha: float, rank: int) -> _Transform:
+    smooth = smoothing(amax, weight, alpha)
+    scaled = smooth[:, None] * weight
+    la, lb = low_rank(scaled, rank)
+    return _Transform(alpha, smooth, (scaled - la @ lb).astype(np.float32), la, lb)
+
+
+@dataclass
+class _Fit:
     in_ranges: list
     res_ranges: list
     error: float
 
 
-def _fit_layer(x: np.ndarray, weight: np.ndarray, amax: np.ndarray, alpha: float, rank: int, pieces: tuple) -> _Layer:
-    """One linear layer y = x·W transformed at one α and scored on x [tokens, in] (float32): the relative error
-    of the emulated output against x·W. Ranges are chosen piece by piece, the other pieces as chosen so far
-    (not yet chosen: unquantized)."""
-    smooth = smoothing(amax, weight, alpha)
-    scaled = smooth[:, None] * weight
-    la, lb = low_rank(scaled, rank)
-    residual = (scaled - la @ lb).astype(np.float32)
-    xs = f16(x / smooth)
-    target = x @ weight
+def _fit_layer(x: np.ndarray, target: np.ndarray, t: _Transform, pieces: tuple, scored) -> _Fit:
+    """The ranges of one transformed layer y = x·W, and the relative error of its emulated output against
+    target = x·W over x [tokens, in] (_best_range: candidates screened on the tokens `scored`). Ranges are chosen
+    piece by piece, the other pieces as chosen so far (not yet chosen: unquantized), the inputs' first (the residual
+    Convs' outputs left in float), then the outputs'."""
+    xs = f16(x / t.smooth)
     slices = piece_slices(pieces)
-    w_q = [quantize_weight(residual[s]) for s in slices]
-    low = fp16_matmul(fp16_matmul(xs, la), lb) if rank else 0.0
-    others = lambda parts, i: sum((p for j, p in enumerate(parts) if j != i), 0.0)
-    # the inputs' ranges first (the residual Convs' outputs left in float), then the outputs' ranges
+    w_q = [quantize_weight(t.residual[s]) for s in slices]
+    low = fp16_matmul(fp16_matmul(xs, t.la), t.lb) if t.la.shape[1] else 0.0
+    others = lambda parts, i: sum((p for j, p in enumerate(parts) if j != i), low)
     accs = [xs[:, s] @ w for s, w in zip(slices, w_q)] if len(pieces) > 1 else [0.0]
     in_ranges = []
     for i, (s, w) in enumerate(zip(slices, w_q)):
         rest = others(accs, i)
-        in_ranges.append(_best_range(xs[:, s], lambda qx: _rel(qx(xs[:, s]) @ w + low + rest, target)))
+        loss = lambda rows: lambda qx: _rel(qx(xs[rows, s]) @ w + _rows(rest, rows), target[rows])
+        in_ranges.append(_best_range(xs[:, s], loss, scored))
         accs[i] = Quantizer.from_range(*in_ranges[i])(xs[:, s]) @ w
     outs, res_ranges = list(accs), []
     for i, acc in enumerate(accs):
         rest = others(outs, i)
-        res_ranges.append(_best_range(acc, lambda qr: _rel(f16(f16(qr(acc)) + rest + low), target)))
+        loss = lambda rows: lambda qr: _rel(f16(f16(qr(acc[rows])) + _rows(rest, rows)), target[rows])
+        res_ranges.append(_best_range(acc, loss, scored))
         outs[i] = f16(Quantizer.from_range(*res_ranges[i])(acc))
-    out = add_tree(outs + [low] if rank else outs)
-    return _Layer(smooth, residual, la, lb, in_ranges, res_ranges, _rel(out, target))
+    out = add_tree(outs + [low] if t.la.shape[1] else outs)
+    return _Fit(in_ranges, res_ranges, _rel(out, target))
 
 
-def _search(x, weight, amax, rank, alphas, pieces) -> tuple[float, _Layer]:
-    fits = {alpha: _fit_layer(x, weight, amax, alpha, rank, pieces) for alpha in alphas}
-    best = min(fits, key=lambda alpha: fits[alpha].error)
-    return best, fits[best]
+@dataclass
+class _LayerSearch:
+    """The α search of one layer: fits are kept per α, so a narrower choice of α later costs no new fit."""
+
+    x: np.ndarray
+    weight: np.ndarray
+    amax: np.ndarray
+    rank: int
+    pieces: tuple
+    scored: object
+    fits: dict = field(default_factory=dict)  # α -> _Fit
+    kept: _Transform | None = None
+
+    def __post_init__(self):
+        self.target = self.x @ self.weight
+
+    def best(self, alphas) -> tuple[_Transform, _Fit]:
+        """The α of `alphas` with the smallest output error: its transform and its fit. The transform of the
+        best α fitted so far is kept; another is computed again."""
+        for alpha in alphas:
+            if alpha not in self.fits:
+                t = _transform(self.weight, self.amax, alpha, self.rank)
+                self.fits[alpha] = _fit_layer(self.x, self.target, t, self.pieces, self.scored)
+                if self.kept is None or self.fits[alpha].error < self.fits[self.kept.alpha].error:
+                    self.kept = t
+        alpha = min(alphas, key=lambda a: self.fits[a].error)
+        t = self.kept if self.kept.alpha == alpha else _transform(self.weight, self.amax, alpha, self.rank)
+        return t, self.fits[alpha]
+
+
+class FfnSearch:
+    """The transform search of one FFN (w1 [D, F], w2 [F, D]) at one rank, from calibration inputs calib_x
+    [tokens, D]. amax_x / amax_hidden: per-channel |max| of the FFN input and of GELU(x·W1) over all calibration
+    tokens (default: over calib_x). max_k: residual GEMMs with a larger K are split into pieces (k_pieces; None:
+    never). `quantized(alphas1, alphas2)` takes per layer the α of its candidates with the smallest output error;
+    asked again with other candidates (the gate's higher α), it fits only the α not fitted yet."""
+
+    def __init__(self, w1: np.ndarray, w2: np.ndarray, calib_x: np.ndarray, rank: int, amax_x: np.ndarray | None = None,
+                 amax_hidden: np.ndarray | None = None, seed: int = 0, max_k: int | None = MAX_INT8_K):
+        rng = np.random.default_rng(seed)
+        x = np.asarray(calib_x, np.float32).reshape(-1, w1.shape[0])
+        if len(x) > SEARCH_TOKENS:
+            x = x[rng.choice(len(x), SEARCH_TOKENS, replace=False)]
+        scored = np.sort(rng.choice(len(x), RANGE_TOKENS, replace=False)) if len(x) > RANGE_TOKENS else ALL_TOKENS
+        hidden = gelu(x @ w1)
+        amax_x = np.abs(x).max(axis=0) if amax_x is None else amax_x
+        amax_hidden = np.abs(hidden).max(axis=0) if amax_hidden is None else amax_hidden
+        self.rank = rank
+        self.layers = (_LayerSearch(x, w1, amax_x, rank, k_pieces(w1.shape[0], max_k), scored),
+                       _LayerSearch(hidden, w2, amax_hidden, rank, k_pieces(w2.shape[0], max_k), scored))
+
+    def quantized(self, alphas1=ALPHAS, alphas2=ALPHAS) -> QuantizedFfn:
+        (t1, f1), (t2, f2) = self.layers[0].best(alphas1), self.layers[1].best(alphas2)
+        pieces1, pieces2 = self.layers[0].pieces, self.layers[1].pieces
+        names = [*range_names(1, pieces1), *range_names(2, pieces2)]
+        values = [f1.in_ranges, f1.res_ranges, f2.in_ranges, f2.res_ranges]
+        return QuantizedFfn(
+            rank=self.rank, alpha1=t1.alpha, alpha2=t2.alpha, smooth_in=t1.smooth, r1=t1.residual, la1=t1.la, lb1=t1.lb,
+            inv_smooth_mid=(1.0 / t2.smooth).astype(np.float32), r2=t2.residual, la2=t2.la, lb2=t2.lb,
+            ranges={n: r for ns, rs in zip(names, values) for n, r in zip(ns, rs)}, pieces1=pieces1, pieces2=pieces2,
+        )
 
 
 def quantize_ffn(w1: np.ndarray, w2: np.ndarray, calib_x: np.ndarray, rank: int, amax_x: np.ndarray | None = None,
                  amax_hidden: np.ndarray | None = None, alphas1=ALPHAS, alphas2=ALPHAS, seed: int = 0,
                  max_k: int | None = MAX_INT8_K) -> QuantizedFfn:
-    """The transform of one FFN (w1 [D, F], w2 [F, D]) from calibration inputs calib_x [tokens, D].
-    amax_x / amax_hidden: per-channel |max| of the FFN input and of GELU(x·W1) over all calibration tokens
-    (default: over calib_x). Each layer takes the α of its candidates with the smallest output error.
-    max_k: residual GEMMs with a larger K are split into pieces (k_pieces; None: never)."""
-    x = np.asarray(calib_x, np.float32).reshape(-1, w1.shape[0])
-    if len(x) > SEARCH_TOKENS:
-        x = x[np.random.default_rng(seed).choice(len(x), SEARCH_TOKENS, replace=False)]
-    hidden = gelu(x @ w1)
-    amax_x = np.abs(x).max(axis=0) if amax_x is None else amax_x
-    amax_hidden = np.abs(hidden).max(axis=0) if amax_hidden is None else amax_hidden
-    pieces1, pieces2 = k_pieces(w1.shape[0], max_k), k_pieces(w2.shape[0], max_k)
-    alpha1, l1 = _search(x, w1, amax_x, rank, alphas1, pieces1)
-    alpha2, l2 = _search(hidden, w2, amax_hidden, rank, alphas2, pieces2)
-    names = [*range_names(1, pieces1), *range_names(2, pieces2)]
-    values = [l1.in_ranges, l1.res_ranges, l2.in_ranges, l2.res_ranges]
-    return QuantizedFfn(
-        rank=rank, alpha1=alpha1, alpha2=alpha2, smooth_in=l1.smooth, r1=l1.residual, la1=l1.la, lb1=l1.lb,
-        inv_smooth_mid=(1.0 / l2.smooth).astype(np.float32), r2=l2.residual, la2=l2.la, lb2=l2.lb,
-        ranges={n: r for ns, rs in zip(names, values) for n, r in zip(ns, rs)}, pieces1=pieces1, pieces2=pieces2,
-    )
-
-
+    """FfnSearch(...).quantized(alphas1, alphas2): one search, one answer."""
+    return FfnSearch(w1, w2, calib_x, rank, amax_x, amax_hidden, seed, max_k).quantized(alphas1, alphas2)
 
 
 def emulate_plain(w1: np.ndarray, w2: np.ndarray, calib_x: np.ndarray, x: np.ndarray) -> np.ndarray:

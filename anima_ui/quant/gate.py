@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime
 
 from anima_ui.quant.capture import BlockCalibration
-from anima_ui.quant.ffn import ALPHAS, QuantizedFfn, emulate, quantize_ffn
+from anima_ui.quant.ffn import ALPHAS, FfnSearch, QuantizedFfn, emulate
 from anima_ui.quant.graph import float_ffn_model
 from anima_ui.quant.numerics import ffn_fp16
 
@@ -79,14 +79,14 @@ def gate_block(block: int, w1: np.ndarray, w2: np.ndarray, calib: BlockCalibrati
     reference = onnx_reference(w1, w2, x)
     result = BlockGate(block, measure(ffn_fp16(x, w1, w2), reference, calib))
     for rank in ranks:
-        searched = quantize_ffn(w1, w2, calib.calib_x, rank, calib.amax_x, calib.amax_hidden)
+        search = FfnSearch(w1, w2, calib.calib_x, rank, calib.amax_x, calib.amax_hidden)
+        searched = search.quantized()
         candidates = [searched]
-        for raise_by in ALPHA_RAISES:
+        for raise_by in ALPHA_RAISES:  # (the search keeps its fits: these cost no new one)
             higher1 = [a for a in ALPHAS if a >= searched.alpha1 + raise_by - 1e-9]
             higher2 = [a for a in ALPHAS if a >= searched.alpha2 + raise_by - 1e-9]
             if higher1 or higher2:
-                candidates.append(lambda h1=higher1 or [searched.alpha1], h2=higher2 or [searched.alpha2]:
-                                  quantize_ffn(w1, w2, calib.calib_x, rank, calib.amax_x, calib.amax_hidden, h1, h2))
+                candidates.append(lambda h1=higher1 or [searched.alpha1], h2=higher2 or [searched.alpha2]: search.quantized(h1, h2))
         for candidate in candidates:
             q = candidate() if callable(candidate) else candidate
             m = measure(emulate(q, x / q.smooth_in), reference, calib)
