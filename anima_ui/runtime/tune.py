@@ -84,15 +84,18 @@ def run_plan(make_backend, graphs, plan: Plan, blocks: int, rounds: int, inputs:
     return outputs, seconds
 
 
+def compare(out: np.ndarray, expected: np.ndarray) -> tuple[bool, float, float]:
+    """(all finite, cosine, norm ratio) of one output against the reference's for the same visit."""
+    return bool(np.all(np.isfinite(out))), cosine(out, expected), float(np.linalg.norm(out) / np.linalg.norm(expected))
+
+
 def disagreement(outputs: dict, reference: dict) -> str | None:
     for (block, kind), out in outputs.items():
-        if not np.all(np.isfinite(out)):
+        finite, c, ratio = compare(out, reference[(block, kind)])
+        if not finite:
             return f"NaN/Inf in block {block} {kind}"
-        expected = reference[(block, kind)]
-        c = cosine(out, expected)
         if not c >= MIN_COSINE:
             return f"disagrees with serial: cosine {c:.7f} < {MIN_COSINE} at block {block} {kind}"
-        ratio = float(np.linalg.norm(out) / np.linalg.norm(expected))
         if not abs(ratio - 1) <= MAX_NORM_RATIO_ERROR:
             return f"disagrees with serial: norm {ratio:.5f} x serial's at block {block} {kind}"
     return None
@@ -196,9 +199,10 @@ def measure_quantized_ffn(make_backend, graphs: dict, choice: dict, outcomes: di
     outcome = FfnOutcome(installed, fp16_variant, outcomes[fp16_variant].median("mlp"))
     batch1 = [o for o in outcomes.values() if o.dropped is None and VARIANTS[o.variant].graph_batch == 1]
     outcome.variant = min(batch1, key=lambda o: o.median("mlp")).variant
-    sample = read_graph_sets(graphs, blocks)[1][1]
+    sample = manifest.first_blocks(blocks)
     if not quantized_blocks(sample):
-        outcome.dropped = f"no quantized FFN among the sample's blocks 0..{blocks - 1} (installed: blocks {_blocks(installed)}); tune with --blocks {installed[0] + 1}"
+        outcome.dropped = (f"no quantized FFN among the sample's blocks 0..{blocks - 1} (installed: blocks "
+                           f"{','.join(map(str, installed))}); tune with --blocks {installed[0] + 1}")
         return outcome
     if board_backend is not None:
         outcome.board_check = board_check(folder, manifest, board_backend, core_mask)
@@ -230,16 +234,10 @@ def measure_quantized_ffn(make_backend, graphs: dict, choice: dict, outcomes: di
 
 def quantized_disagreement(outputs: dict, reference: dict) -> str | None:
     for (block, kind), out in outputs.items():
-        if not np.all(np.isfinite(out)):
+        finite, c, ratio = compare(out, reference[(block, kind)])
+        if not finite:
             return f"NaN/Inf in block {block}'s quantized FFN"
-        expected = reference[(block, kind)]
-        c = cosine(out, expected)
-        ratio = float(np.linalg.norm(out) / np.linalg.norm(expected))
         if not (c >= QUANTIZED_MIN_COSINE and abs(ratio - 1) <= MAX_QUANTIZED_NORM_RATIO_ERROR):
             return (f"block {block}'s quantized FFN is far from the FP16 one on the sample: cosine {c:.5f} (>= "
                     f"{QUANTIZED_MIN_COSINE} expected), norm {ratio:.4f} x; run `anima-ui prepare --ffn w8a8-lowrank` again")
     return None
-
-
-def _blocks(blocks: list[int]) -> str:
-    return ",".join(map(str, blocks))
