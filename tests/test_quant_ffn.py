@@ -64,7 +64,10 @@ def test_weights_are_quantized_per_output_channel():
 def test_erf_and_gelu_match_torch():
     x = np.linspace(-8, 8, 20001, dtype=np.float32)
     assert np.abs(erf(x) - torch.erf(torch.from_numpy(x)).numpy()).max() < 1e-6  # A&S 1.5e-7 plus float32 rounding
-    assert np.abs(gelu(x) - torch.nn.functional.gelu(torch.from_numpy(x)).numpy()).max() < 1e-6
+    # gelu = x·(1 + erf)/2 carries erf's error times |x|/2, and float32's rounding of a result near 8 is 9.5e-7 alone
+    # (torch's own erf differs by CPU: 1.19e-6 seen at |x| near 8 on an AVX-512 machine)
+    gelu_error = np.abs(gelu(x) - torch.nn.functional.gelu(torch.from_numpy(x)).numpy())
+    assert np.all(gelu_error < 1e-6 * np.maximum(1.0, np.abs(x))), gelu_error.max()
 
 
 def test_low_rank_is_as_good_as_the_truncated_svd():

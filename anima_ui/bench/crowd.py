@@ -230,7 +230,12 @@ class Flood:
             for phone in phones:
                 await phone.http.aclose()
             if isinstance(self.session, dict) and self.session.get("jobs"):
-                await device.call("cancel", self.session)
+                for _ in range(10):  # the device has just flooded: the app refuses it for a second (HTTP 429)
+                    try:
+                        await device.call("cancel", self.session)
+                        break
+                    except RemoteError:
+                        await asyncio.sleep(1.0)
 
     async def _watch(self, phone):
         counted, watched = False, None
