@@ -2,6 +2,7 @@
 model's quantized FFNs built with hybrid quantization, their op tables, and the emulator against the toolkit's
 simulator; the toolkit's own W8A8 and FP16 builds against the emulator's models of them."""
 
+import argparse
 import io
 import os
 import shutil
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from anima_ui import checkup
+from anima_ui.commands import verify as verify_command
 from anima_ui.convert.convert_rknn import VENV_PYTHON
 from anima_ui.convert.prepare import prepare
 from anima_ui.modelfiles import ModelPaths
@@ -25,6 +27,7 @@ from anima_ui.quant.graph import float_ffn_model, quantized_ffn_model
 from anima_ui.quant.numerics import ffn_fp16, ffn_fp32
 from anima_ui.fixtures.outliers import write_outlier_model
 from anima_ui.runtime.backends import Backend
+from anima_ui.runtime.board import Lite2
 from anima_ui.runtime.manifest import Manifest
 from anima_ui.runtime.quantized_ffn import KEY, board_check, folder_lines, quantized_blocks
 
@@ -133,7 +136,7 @@ class EmulatedNpu(Backend):
         pass
 
 
-def test_prepare_with_quantized_ffns_installs_them_and_doctor_checks_them(calibrated, tmp_path):
+def test_prepare_with_quantized_ffns_installs_them_and_doctor_and_verify_check_them(calibrated, tmp_path, monkeypatch, capsys):
     models = tmp_path / "models"
     shutil.copytree(calibrated[0], models)
     out = io.StringIO()
@@ -157,6 +160,20 @@ def test_prepare_with_quantized_ffns_installs_them_and_doctor_checks_them(calibr
     # this machine has no rknn-toolkit-lite2: doctor lists the blocks and says what the check needs
     row = next(r for r in checkup.collect(models).rows if r.check == "quantized FFNs rknn/64x64")
     assert row.status == "skip" and "blocks [0, 1]" in row.value and "rknn-toolkit-lite2" in row.value
+    # on a board: doctor's row and verify's rows, with an NPU that computes what the simulator did, then the wrong block
+    lite2 = Lite2("2.5.0", None)
+    [ok] = checkup._quantized_rows([folder], lambda: EmulatedNpu(quant), "auto", lite2)
+    assert ok.status == "ok" and ok.value.startswith("blocks [0, 1]; NPU vs simulator on saved inputs: worst cosine ")
+    [bad] = checkup._quantized_rows([folder], lambda: EmulatedNpu(quant, wrong=True), "auto", lite2)
+    assert bad.status == "fail" and "blocks [0, 1] below 0.9999" in bad.value and "prepare without --ffn" in bad.fix
+    args = argparse.Namespace(backend="rknn", core_mask="auto")
+    for wrong in (False, True):
+        monkeypatch.setattr(verify_command, "make_backend", lambda name: EmulatedNpu(quant, wrong=wrong))
+        rows = verify_command.quantized_check(args, folder, manifest)
+        assert [r["passed"] for r in rows] == [not wrong] * 2
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[0].startswith("quantized FFNs on this NPU vs the toolkit's simulator")
+        assert [line.split()[-1] for line in printed[1:]] == ["FAILED" if wrong else "ok"] * 2
     # prepare without --ffn: the FP16 FFNs again
     prepare(models, 64, 64, mirror=models.resolve().as_uri(), out=io.StringIO())
     assert quantized_blocks(Manifest.read(folder)) == []
