@@ -146,3 +146,16 @@ def _libm() -> str:
         if Path(folder, "libm.so.6").is_file():
             return str(Path(folder, "libm.so.6"))
     pytest.skip("no libm.so.6 to stand in for librknnrt.so")
+
+
+def fill_until_kept(page, fields: dict) -> None:
+    """Fill a page's fields {selector: value} just after the settings accordion was opened. The accordion mounts its
+    fields as it opens, and a value typed in the same millisecond can be lost to that first render (seen in CI: a job
+    ran with the default random seed), so fill until the values hold."""
+    for _ in range(3):
+        for selector, value in fields.items():
+            page.fill(selector, value)
+        page.wait_for_timeout(100)
+        if all(page.input_value(selector) == value for selector, value in fields.items()):
+            return
+    raise AssertionError(f"the form did not keep {fields}")

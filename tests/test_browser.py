@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from anima_ui.jobs import QueueLimits
-from helpers import GRADIO_PANDAS_NOISE, occupy_worker, start_app
+from helpers import GRADIO_PANDAS_NOISE, fill_until_kept, occupy_worker, start_app
 
 pytestmark = [pytest.mark.browser, *GRADIO_PANDAS_NOISE]
 pytest.importorskip("playwright.sync_api")
@@ -52,16 +52,7 @@ def open_page(browser, url, device):
 def fill_form(page, prompt, seed, steps):
     page.fill("#prompt textarea", prompt)
     page.click("#settings .label-wrap")
-    # The accordion mounts its fields as it opens; a value typed in the same millisecond can be lost to that
-    # first render (seen once in CI: the job ran with the default random seed), so fill until the values hold.
-    fields = {"#prompt textarea": prompt, "#seed textarea": str(seed), "#steps input": str(steps)}
-    for _ in range(3):
-        for selector, value in fields.items():
-            page.fill(selector, value)
-        page.wait_for_timeout(100)
-        if all(page.input_value(selector) == value for selector, value in fields.items()):
-            return
-    raise AssertionError(f"the form did not keep {fields}")
+    fill_until_kept(page, {"#prompt textarea": prompt, "#seed textarea": str(seed), "#steps input": str(steps)})
 
 
 def wait_status(page, text, timeout=120):

@@ -30,7 +30,7 @@ from anima_ui.request import GenerationRequest
 from anima_ui.sampling.spectrum import DEFAULT_FORECASTER
 from anima_ui.text.qwen3 import Qwen3
 from anima_ui.vae.onnx_decoder import OnnxDecoder
-from helpers import GRADIO_PANDAS_NOISE, start_app, wait
+from helpers import GRADIO_PANDAS_NOISE, fill_until_kept, start_app, wait
 
 pytestmark = GRADIO_PANDAS_NOISE
 PRESETS = Path(__file__).parent.parent / "presets"
@@ -115,7 +115,7 @@ def test_row4_big_screen_and_page_show_user_text_as_text(server, browser):
     page.goto(server.url)
     page.wait_for_selector("#go")
     page.click("#settings .label-wrap")
-    page.fill("#seed textarea", '<img id="seedimg" src="/favicon.ico"> **x**')
+    fill_until_kept(page, {"#seed textarea": '<img id="seedimg" src="/favicon.ico"> **x**'})
     page.click("#go")
     page.wait_for_function("document.querySelector('#message').innerText.includes('seedimg')", timeout=60_000)
     assert page.locator("#message img").count() == 0 and page.locator("#message strong").count() == 0
