@@ -113,13 +113,14 @@ class QuantizedFfn:
 
 
 # -- emulation ---------------------------------------------------------------------------------------------------
-def add_tree(terms: list[np.ndarray]) -> np.ndarray:
-    """FP16 Adds of a layer's terms (residual pieces, then the low-rank branch) pairwise, level by level, as the
-    graph adds them (one FP16 rounding per Add). With the low-rank branch last, no residual piece's INT8 Conv
-    ever feeds an Add together with another Add: rknn-toolkit2 2.5.0's hybrid step 1 fails on that pattern at
-    small widths (its constant folding reshapes the sum to 1x1x1x1)."""
+def add_tree(terms: list, add=lambda a, b: f16(a + b)):
+    """A layer's terms (residual pieces, then the low-rank branch) added pairwise, level by level: `add` is one FP16
+    Add (default: the emulator's, one FP16 rounding per Add; the graph builder passes one that emits an Add node).
+    With the low-rank branch last, no residual piece's INT8 Conv ever feeds an Add together with another Add:
+    rknn-toolkit2 2.5.0's hybrid step 1 fails on that pattern at small widths (its constant folding reshapes the
+    sum to 1x1x1x1)."""
     while len(terms) > 1:
-        pairs = [f16(a + b) for a, b in zip(terms[0::2], terms[1::2])]
+        pairs = [add(a, b) for a, b in zip(terms[0::2], terms[1::2])]
         terms = pairs + terms[len(pairs) * 2:]
     return terms[0]
 

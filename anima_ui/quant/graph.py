@@ -13,14 +13,14 @@ import onnx
 
 from anima_ui.model.branch_graphs import branch_graph
 from anima_ui.model.onnx_graph import Graph, gelu_erf, linear
-from anima_ui.quant.ffn import QuantizedFfn, piece_slices, range_names
+from anima_ui.quant.ffn import QuantizedFfn, add_tree, piece_slices, range_names
 
 INT8_PREFIXES = ("res1", "res2")  # tensors (and the toolkit's renamings of them) that stay int8
 
 
 def _layer(g: Graph, x: str, residual: np.ndarray, la: np.ndarray, lb: np.ndarray, index: int, pieces: tuple) -> str:
     """x·R + (x·La)·Lb with [in, out] weights; R's GEMM (or each piece of it) writes `res{index}…`; the terms
-    are added pairwise, the low-rank branch last (ffn.add_tree says why)."""
+    are added in add_tree's order, the low-rank branch last."""
     inputs, outputs = range_names(index, pieces)
     if len(pieces) == 1:
         terms = [linear(g, x, residual.T, outputs[0])]
@@ -30,10 +30,7 @@ def _layer(g: Graph, x: str, residual: np.ndarray, la: np.ndarray, lb: np.ndarra
             bounds = [g.const([bound], hint, np.int64) for bound, hint in ((s.start, "start"), (s.stop, "stop"), (2, "axis"))]
             terms.append(linear(g, g.node("Slice", [x, *bounds], name), residual[s].T, out))
     terms.append(linear(g, linear(g, x, la.T, f"lra{index}"), lb.T, f"lrb{index}"))
-    while len(terms) > 1:
-        pairs = [g.node("Add", [a, b], f"pre{index}") for a, b in zip(terms[0::2], terms[1::2])]
-        terms = pairs + terms[len(pairs) * 2:]
-    return terms[0]
+    return add_tree(terms, lambda a, b: g.node("Add", [a, b], f"pre{index}"))
 
 
 def quantized_ffn_model(q: QuantizedFfn, shape: tuple[int, int, int]) -> onnx.ModelProto:
